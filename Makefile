@@ -1,0 +1,24 @@
+# Set-up and everyday commands. Each target creates .venv on first use.
+#   make demo   train the built-in GPT with ZeRO-3 on local CPU ranks
+#   make test   install the test extras and run the whole suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+# A fresh clone pins torch to its CPU build; pass CONSTRAINTS= to keep the torch you have.
+CONSTRAINTS ?= constraints-cpu.txt
+PIP_C := $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS),)
+export RAY_AUTH_MODE ?= disabled
+
+.PHONY: demo test venv
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet $(PIP_C) -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/raydeep demo
+
+test: venv
+	$(VENV)/bin/python -m pytest -q

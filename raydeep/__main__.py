@@ -1,0 +1,5 @@
+import sys
+
+from raydeep.cli import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""The batch-size triangle, derived exactly as DeepSpeed does, and elastic batch plans.
+
+``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size``.
+Missing keys are derived with floor division in DeepSpeed's order, then DeepSpeed's four checks
+run in DeepSpeed's order with its messages, each followed by a one-line fix.
+
+The ``elasticity`` section follows the last DeepSpeed releases that had it (v0.1 and v0.2
+algorithms): it picks one global batch that stays valid across a range of world sizes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from raydeep.errors import ConfigError, ElasticityError
+
+# The 38 highly composite numbers DeepSpeed's elasticity scales candidate batches by.
+HCN_LIST = [1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720, 840, 1260, 1680, 2520, 5040,
+            7560, 10080, 15120, 20160, 25200, 27720, 45360, 50400, 55440, 83160, 110880, 166320,
+            221760, 277200, 332640, 498960, 554400, 665280, 720720]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Resolved batch keys for one world size."""
+
+    train_batch_size: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+
+
+def derive_batch(train_batch: int | None, micro: int | None, grad_acc: int | None, world_size: int) -> BatchPlan:
+    """DeepSpeed's ``_set_batch_related_parameters`` followed by ``_batch_assertion``.
+
+    >>> derive_batch(32, 4, None, 2)
+    BatchPlan(train_batch_size=32, micro_batch=4, grad_accum=4, world_size=2)
+    """
+    B, m, g, W = train_batch, micro, grad_acc, world_size
+    if B is not None and m is not None and g is not None:
+        pass
+    elif B is not None and m is not None:
+        g = (B // m) // W
+    elif B is not None and g is not None:
+        m = (B // W) // g
+    elif m is not None and g is not None:
+        B = m * g * W
+    elif B is not None:
+        g, m = 1, B // W
+    elif m is not None:
+        B, g = m * W, 1
+    else:
+        raise ConfigError("train_batch_size", "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
+                          fix="set train_micro_batch_size_per_gpu (and optionally gradient_accumulation_steps)")
+    _assert_batch(B, m, g, W)
+    return BatchPlan(B, m, g, W)
+
+
+def _assert_batch(B: int, m: int, g: int, W: int) -> None:
+    if B <= 0:
+        fix = (f"use at least micro_batch * world_size = {m * W} for world size {W}" if m > 0 and g > 0
+               else "make every batch key a positive integer")
+        raise ConfigError("train_batch_size", f"Train batch size: {B} has to be greater than 0", value=B, fix=fix)
+    if m <= 0:
+        raise ConfigError("train_micro_batch_size_per_gpu", f"Micro batch size per gpu: {m} has to be greater than 0",
+                          value=m, fix=f"train_batch_size must be at least gradient_accumulation_steps * world_size = {max(g, 1) * W}")
+    if g <= 0:
+        raise ConfigError("gradient_accumulation_steps", f"Gradient accumulation steps: {g} has to be greater than 0",
+                          value=g, fix=f"train_batch_size must be at least micro_batch * world_size = {m * W}")
+    if B != m * g * W:
+        raise ConfigError(
+            "train_batch_size",
+            "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+            f"gradient_acc_step * world_size {B} != {m} * {g} * {W}", value=B,
+            fix=f"set train_batch_size to {m * g * W}, or remove one of the three keys so it is derived for world size {W}")
+
+
+# --- elasticity (DeepSpeed releases before 0.19.8) -----------------------------------------
+
+def _candidate_batch_sizes(bases: list[int], max_batch: int) -> list[int]:
+    candidates = set()
+    for base in bases:
+        if base >= max_batch:
+            candidates.add(base)
+        else:
+            limit = max_batch // base
+            hcn = max(h for h in HCN_LIST if h <= limit)
+            candidates.add(hcn * base)
+    return sorted(candidates)
+
+
+def valid_world_sizes(batch: int, micro_batches: list[int], min_gpus: int, max_gpus: int) -> list[int]:
+    """World sizes at which ``batch`` splits evenly into one of ``micro_batches`` per rank."""
+    valid = set()
+    for mb in micro_batches:
+        if batch % mb:
+            continue
+        gpus = batch // mb
+        if min_gpus <= gpus <= max_gpus:
+            valid.add(gpus)
+        for i in range(max(1, min_gpus), min(gpus // 2, max_gpus) + 1):
+            if gpus % i == 0:
+                valid.add(i)
+    return sorted(valid)
+
+
+def _compatible_v01(micro_batches: list[int], max_batch: int, min_gpus: int, max_gpus: int,
+                    prefer_larger: bool) -> tuple[int, list[int]]:
+    min_gpus = min_gpus or 1
+    max_gpus = max_gpus or max_batch // min(micro_batches)
+    if any(mb > max_batch for mb in micro_batches):
+        raise ElasticityError("elasticity.micro_batch_sizes",
+                              f"All micro batches must be less than or equal to max_acceptable_batch_size: {max_batch}",
+                              value=micro_batches, fix="lower the micro batch sizes or raise max_train_batch_size")
+    bases = list(micro_batches) + [math.lcm(*micro_batches)]
+    best_batch, best_valid = int(min(micro_batches)), []
+    for batch in _candidate_batch_sizes(bases, max_batch):
+        valid = valid_world_sizes(batch, micro_batches, min_gpus, max_gpus)
+        better_tie = (prefer_larger and batch > best_batch) or (not prefer_larger and batch < best_batch)
+        if len(valid) > len(best_valid) or (len(valid) == len(best_valid) and better_tie):
+            best_batch, best_valid = batch, valid
+    return best_batch, best_valid
+
+
+def elastic_plan(section, world_size: int) -> BatchPlan:
+    """The batch plan the ``elasticity`` section gives at ``world_size`` (v0.1 or v0.2 rules).
+
+    >>> from raydeep.config.sections import ElasticityConfig
+    >>> cfg = ElasticityConfig(enabled=True, max_train_batch_size=64, micro_batch_sizes=[2, 4], version=0.1)
+    >>> elastic_plan(cfg, 2).train_batch_size
+    48
+    """
+    mbs = list(section.micro_batch_sizes)
+    if section.version <= 0.1:
+        batch, valid = _compatible_v01(mbs, section.max_train_batch_size, section.min_gpus, section.max_gpus,
+                                       section.prefer_larger_batch)
+    else:
+        batch, valid = _compatible_v02(section, world_size)
+    if world_size not in valid:
+        raise ElasticityError("elasticity", f"World size ({world_size}) is not valid with the current list of valid "
+                              f"GPU counts: {valid}", value=world_size,
+                              fix=f"run with one of {valid} workers, or widen micro_batch_sizes/max_train_batch_size")
+    micro = next((mb for mb in sorted(set(mbs), reverse=True) if (batch // world_size) % mb == 0), None)
+    if micro is None:
+        raise ElasticityError("elasticity.micro_batch_sizes", f"no micro batch divides {batch // world_size} samples per rank",
+                              value=mbs, fix="add a micro batch size that divides the per-rank batch")
+    return BatchPlan(batch, micro, batch // (micro * world_size), world_size)
+
+
+def _compatible_v02(section, world_size: int) -> tuple[int, list[int]]:
+    per_node, mp = section.num_gpus_per_node, section.model_parallel_size
+    if per_node % mp:
+        raise ElasticityError("elasticity.model_parallel_size", f"In Elasticity v0.2, number of GPUs per node:"
+                              f"{per_node} should be divisible by model parallel size {mp}", value=mp,
+                              fix="choose a model_parallel_size that divides num_gpus_per_node")
+    dp_per_node = per_node // mp
+    batch, valid_nodes = _compatible_v01(list(section.micro_batch_sizes), int(section.max_train_batch_size / dp_per_node),
+                                         int(section.min_gpus / per_node), int(section.max_gpus / per_node),
+                                         section.prefer_larger_batch)
+    batch *= dp_per_node
+    valid = [n * dp_per_node for n in valid_nodes]
+    if world_size // mp in valid:
+        return batch, valid
+    # The current size is not in the list: DeepSpeed falls back to the largest (or smallest)
+    # batch the current size can run, valid for this size only.
+    dp = int((world_size / per_node) * dp_per_node)
+    options = [math.floor(section.max_train_batch_size / float(mb * dp)) * mb * dp for mb in section.micro_batch_sizes]
+    batch = int(max(options) if section.prefer_larger_batch else min(options))
+    return batch, [dp]

@@ -1,0 +1,249 @@
+"""ds_config sections other than ``zero_optimization``: precision, optimizer, scheduler,
+activation checkpointing, data types, checkpoint, elasticity, logging/monitoring, autotuning,
+and raydeep's own ``raydeep`` section. Defaults are DeepSpeed 0.19.8's unless marked.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from raydeep.config.base import Count, Flag, Section
+
+
+class FP16Config(Section):
+    """fp16 mixed precision with dynamic (``loss_scale: 0``) or static loss scaling."""
+
+    enabled: Flag = False
+    auto_cast: Flag = False
+    loss_scale: float = Field(0.0, ge=0.0)
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: Flag = False
+    min_loss_scale: int = 1
+    fp16_master_weights_and_grads: Flag = False
+
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _finite_number(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError("must be a finite number >= 0 (0 selects dynamic loss scaling)")
+        return v
+
+    @field_validator("loss_scale_window", "min_loss_scale", "initial_scale_power", "hysteresis", mode="before")
+    @classmethod
+    def _whole_number(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("must be an integer")
+        return v
+
+    def scaler_args(self) -> dict:
+        """The dynamic-scaler arguments DeepSpeed 0.19.8 always passes (defaults filled in)."""
+        return {"init_scale": 2.0 ** self.initial_scale_power, "scale_window": self.loss_scale_window,
+                "min_scale": self.min_loss_scale, "delayed_shift": self.hysteresis,
+                "consecutive_hysteresis": self.consecutive_hysteresis}
+
+
+class BF16Config(Section):
+    """bf16 mixed precision: fp32 master weights, no loss scaling, non-finite steps skipped."""
+
+    enabled: Flag = False
+    immediate_grad_update: Flag = False
+    check_grad_overflow: Flag = True
+    bf16_master_weights_and_grads: Flag = False
+    bf16_optimizer_states: Flag = False
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: a DeepSpeed or ``torch.optim`` name plus its constructor params."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    legacy_fusion: Flag = False
+
+
+class SchedulerConfig(Section):
+    """``scheduler``: one of DeepSpeed's five LR schedules or a ``torch.optim.lr_scheduler`` class."""
+
+    type: str
+    params: dict[str, Any]
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``; which modules are wrapped is chosen in the ``raydeep`` section."""
+
+    partition_activations: Flag = False
+    cpu_checkpointing: Flag = False
+    contiguous_memory_optimization: Flag = False
+    number_checkpoints: int | None = Field(None, ge=1)
+    synchronize_checkpoint_boundary: Flag = False
+    profile: Flag = False
+
+
+DTYPE_NAMES = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32", "torch.float": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16", "torch.half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+
+
+def _dtype_name(v: Any) -> Any:
+    if v is None:
+        return v
+    name = DTYPE_NAMES.get(str(v).lower())
+    if name is None:
+        raise ValueError(f"unknown dtype; use one of {sorted(set(DTYPE_NAMES.values()))}")
+    return name
+
+
+class DataTypesConfig(Section):
+    """``data_types``: gradient accumulation dtype and 0.19.8's param/buffer dtype controls."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    param_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    buffer_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    keep_in_fp32_modules: Literal["auto"] | list[str] = "auto"
+
+    _canon = field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")(
+        classmethod(lambda cls, v: _dtype_name(v)))
+
+
+class ParallelWriteConfig(Section):
+    pipeline_stage: Flag = False
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: tag validation and load options."""
+
+    tag_validation: str = "Warn"
+    load_universal: Flag = False
+    use_node_local_storage: Flag = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    writer: dict | None = None
+
+    @field_validator("tag_validation")
+    @classmethod
+    def _tag_mode(cls, v: str) -> str:
+        if v.lower() not in {"ignore", "warn", "fail"}:
+            raise ValueError("must be one of Ignore, Warn, Fail")
+        return v.capitalize()
+
+
+class ElasticityConfig(Section):
+    """``elasticity`` (kept from DeepSpeed releases before 0.19.8, which removed it)."""
+
+    enabled: Flag = False
+    max_train_batch_size: Count = Field(2000, ge=1)
+    micro_batch_sizes: list[int] = Field(default_factory=lambda: [2, 4, 6])
+    min_gpus: Count = Field(1, ge=1)
+    max_gpus: Count = Field(10000, ge=1)
+    num_gpus_per_node: Count = Field(1, ge=1)
+    model_parallel_size: Count = Field(1, ge=1)
+    min_time: Count = Field(0, ge=0)
+    prefer_larger_batch: Flag = True
+    ignore_non_elastic_batch_info: Flag = False
+    version: float = Field(0.2, le=0.2)
+
+    @field_validator("micro_batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(isinstance(m, bool) or m <= 0 for m in v):
+            raise ValueError("must be a non-empty list of positive integers")
+        return v
+
+
+class CommsLoggerConfig(Section):
+    enabled: Flag = False
+    verbose: Flag = False
+    prof_all: Flag = True
+    debug: Flag = False
+    prof_ops: list[str] = Field(default_factory=list)
+
+
+class FlopsProfilerConfig(Section):
+    enabled: Flag = False
+    recompute_fwd_factor: float = 0.0
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: Flag = True
+    output_file: str | None = None
+
+
+class MonitorConfig(Section):
+    """tensorboard / csv_monitor (and the shape shared by the others)."""
+
+    enabled: Flag = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    enabled: Flag = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+class CometConfig(Section):
+    enabled: Flag = False
+    samples_log_interval: int = 100
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: Flag | None = None
+    mode: str | None = None
+
+
+class AutotuningConfig(Section):
+    """``autotuning``: parsed for compatibility; raydeep tunes through Ray Tune instead."""
+
+    enabled: Flag = False
+    fast: Flag = True
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: Flag = True
+    start_profile_step: int = 3
+    end_profile_step: int = 5
+    metric: Literal["throughput", "latency", "flops"] = "throughput"
+    metric_path: str | None = None
+    tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
+    tuner_early_stopping: int = 5
+    tuner_num_trials: int = 50
+    arg_mappings: dict[str, str] | None = None
+    max_train_batch_size: int | None = None
+    min_train_batch_size: int = 1
+    max_train_micro_batch_size_per_gpu: int = 1024
+    min_train_micro_batch_size_per_gpu: int = 1
+    num_tuning_micro_batch_sizes: int = 3
+    mp_size: int = 1
+    model_info: dict[str, Any] | None = None
+    model_info_path: str | None = None
+
+
+class ThroughputTimerConfig(Section):
+    enabled: Flag = True
+    synchronized: Flag = True
+
+
+class TimersConfig(Section):
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+
+
+class RaydeepSection(Section):
+    """raydeep's own options, under a top-level ``"raydeep"`` key DeepSpeed ignores."""
+
+    # The ZeRO-3 unit of gathering and releasing. "auto": each transformer block is one unit
+    # (the field report: "a Transformer layer should be one complete partition"); otherwise a
+    # list of module class names, or "param" for one unit per leaf module.
+    partition_units: Literal["auto", "param"] | list[str] = "auto"
+    # Which modules activation checkpointing wraps. The field report found checkpointing only
+    # attention the best memory/compute balance, so that is the default.
+    checkpoint_modules: Literal["none", "attention", "block"] | list[str] = "attention"
+    # Ray custom resource that marks CPU nodes for the optimizer offload tier.
+    offload_resource: str = "offload"
+    seed: int = 1234

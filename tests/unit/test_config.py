@@ -1,0 +1,337 @@
+"""The ds_config system: forms, the batch triangle, "auto", unknown keys, cross-field rules."""
+import base64
+import json
+
+import pytest
+
+from raydeep.config import load_config
+from raydeep.config.batch import derive_batch, elastic_plan, valid_world_sizes
+from raydeep.config.sections import ElasticityConfig
+from raydeep.errors import ConfigError, ConfigErrors
+
+BASE = {"train_micro_batch_size_per_gpu": 2}
+
+
+def load(extra=None, **kw):
+    return load_config({**BASE, **(extra or {})}, **kw)
+
+
+def error_of(data, **kw) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(data, **kw)
+    return info.value
+
+
+# --- accepted forms ---------------------------------------------------------------------------
+
+def test_dict_json_string_base64_and_file_give_the_same_config(tmp_path):
+    data = {"train_batch_size": 16, "zero_optimization": {"stage": 2}}
+    text = json.dumps(data)
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    b64 = base64.urlsafe_b64encode(text.encode()).decode()
+    dumps = [load_config(src, world_size=2).to_ds_dict() for src in (data, text, b64, str(path), path)]
+    assert all(d == dumps[0] for d in dumps)
+    assert dumps[0]["train_micro_batch_size_per_gpu"] == 8
+
+
+def test_hjson_with_comments(tmp_path):
+    path = tmp_path / "ds.hjson"
+    path.write_text("""{
+      // micro batch per rank
+      train_micro_batch_size_per_gpu: 4
+      # hash comments too
+      zero_optimization: { stage: 3 }  /* block comment */
+    }""")
+    cfg = load_config(str(path), world_size=2)
+    assert cfg.train_batch_size == 8 and cfg.zero_optimization.stage == 3
+
+
+def test_duplicate_keys_in_a_file_are_rejected(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 2}}')
+    err = error_of(str(path))
+    assert "Duplicate keys in DeepSpeed config" in str(err) and err.key == "stage"
+
+
+def test_unusable_string_names_deepspeeds_expectation():
+    err = error_of("no/such/file.json")
+    assert "Expected a string path to an existing deepspeed config" in str(err)
+
+
+def test_invalid_json_file_is_named(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"train_batch_size": 8,, }')
+    assert str(path) in str(error_of(str(path)))
+
+
+# --- batch triangle: every derivation row, DeepSpeed's four checks in order -------------------
+
+@pytest.mark.parametrize("B, m, g, W, expected", [
+    (32, 4, 2, 4, (32, 4, 2)),      # all given: only validated
+    (32, 4, None, 2, (32, 4, 4)),   # g = (B // m) // W
+    (32, None, 2, 2, (32, 8, 2)),   # m = (B // W) // g
+    (None, 4, 3, 2, (24, 4, 3)),    # B = m * g * W
+    (32, None, None, 4, (32, 8, 1)),  # g = 1, m = B // W
+    (None, 4, None, 3, (12, 4, 1)),   # B = m * W, g = 1
+])
+def test_batch_triangle_rows(B, m, g, W, expected):
+    plan = derive_batch(B, m, g, W)
+    assert (plan.train_batch_size, plan.micro_batch, plan.grad_accum) == expected
+
+
+@pytest.mark.parametrize("B, m, g", [(None, None, None), (None, None, 4)])
+def test_batch_triangle_needs_batch_or_micro(B, m, g):
+    with pytest.raises(ConfigError, match="Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided"):
+        derive_batch(B, m, g, 2)
+
+
+def test_floor_division_surfaces_as_the_equality_check():
+    with pytest.raises(ConfigError) as info:
+        derive_batch(10, 3, None, 1)
+    assert ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+            "gradient_acc_step * world_size 10 != 3 * 3 * 1") in str(info.value)
+    assert "Fix: set train_batch_size to 9" in str(info.value)
+
+
+@pytest.mark.parametrize("B, m, g, W, message", [
+    (0, 1, 1, 1, "Train batch size: 0 has to be greater than 0"),
+    (4, None, None, 8, "Micro batch size per gpu: 0 has to be greater than 0"),
+    (8, 16, None, 1, "Gradient accumulation steps: 0 has to be greater than 0"),
+])
+def test_batch_checks_in_order(B, m, g, W, message):
+    with pytest.raises(ConfigError, match=message):
+        derive_batch(B, m, g, W)
+
+
+def test_triangle_through_load_config_uses_world_size():
+    cfg = load_config({"train_batch_size": 64, "gradient_accumulation_steps": 4}, world_size=4)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.world_size) == (4, 4)
+
+
+# --- "auto" ---------------------------------------------------------------------------------
+
+def test_train_batch_size_auto_is_derived_from_the_other_two():
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                       "gradient_accumulation_steps": 2}, world_size=3)
+    assert cfg.train_batch_size == 24
+
+
+def test_auto_in_pydantic_sections_drops_to_default_with_a_warning():
+    cfg = load({"fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                                   "stage3_prefetch_bucket_size": "auto"}})
+    assert cfg.fp16.enabled is False
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.zero_optimization.prefetch_bucket_size == 50_000_000
+    assert any("fp16.enabled" in w for w in cfg.warnings)
+
+
+def test_unresolved_auto_lists_every_key_and_how_to_set_it():
+    with pytest.raises(ConfigErrors) as info:
+        load({"gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "eps": "auto"}}})
+    keys = {e.key for e in info.value.errors}
+    assert keys == {"gradient_clipping", "optimizer.params.lr", "optimizer.params.eps"}
+    assert "--set optimizer.params.lr=VALUE" in str(info.value)
+
+
+def test_overrides_resolve_auto_from_strings_and_mappings():
+    data = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    a = load_config(data, overrides=["train_micro_batch_size_per_gpu=4", "optimizer.params.lr=3e-4"])
+    b = load_config(data, overrides={"train_micro_batch_size_per_gpu": 4, "optimizer.params.lr": 3e-4})
+    assert a.to_ds_dict() == b.to_ds_dict()
+    assert a.optimizer.params["lr"] == 3e-4 and a.train_batch_size == 4
+
+
+# --- unknown keys at every level --------------------------------------------------------------
+
+@pytest.mark.parametrize("data, key, guess", [
+    ({"gradient_clip": 1.0}, "gradient_clip", "gradient_clipping"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_paramters": 1e9}},
+     "zero_optimization.stage3_max_live_paramters", "stage3_max_live_parameters"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+     "zero_optimization.offload_optimizer.pin_memroy", "pin_memory"),
+    ({"fp16": {"enabled": True, "loss_scale_windw": 100}}, "fp16.loss_scale_windw", "loss_scale_window"),
+])
+def test_typos_get_did_you_mean(data, key, guess):
+    err = error_of({**BASE, **data})
+    assert err.key == key and f"did you mean {guess!r}" in str(err)
+
+
+def test_unknown_optimizer_param_is_named():
+    err = error_of({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decya": 0.1}}})
+    assert "weight_decya" in str(err) and "weight_decay" in str(err)
+
+
+def test_unknown_scheduler_param_is_named():
+    err = error_of({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}})
+    assert err.key == "scheduler.params.warmup_num_step" and "warmup_num_steps" in str(err)
+
+
+@pytest.mark.parametrize("key", ["amp", "pipeline", "compression_training", "torch_autocast"])
+def test_unimplemented_deepspeed_sections_are_refused(key):
+    err = error_of({**BASE, key: {"enabled": True, "x": 1} if key != "pipeline" else {"stages": 2}})
+    assert err.key == key and "not supported by raydeep" in str(err)
+
+
+def test_harmless_unimplemented_keys_warn():
+    cfg = load({"aio": {"block_size": 1048576}, "disable_allgather": False})
+    assert any(w.startswith("aio:") for w in cfg.warnings)
+
+
+@pytest.mark.parametrize("zero, key", [
+    ({"stage": 3, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
+    ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_optimization.zero_hpz_partition_size"),
+    ({"stage": 3, "mics_shard_size": 8}, "zero_optimization.mics_shard_size"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "zero_optimization.offload_param.device"),
+])
+def test_zeropp_mics_nvme_not_supported(zero, key):
+    err = error_of({**BASE, "zero_optimization": zero})
+    assert err.key == key and "not supported by raydeep" in str(err)
+
+
+# --- deprecated spellings and aliases ----------------------------------------------------------
+
+def test_stage3_aliases_and_deprecated_keys():
+    cfg = load({"zero_optimization": {"stage": 3, "max_live_parameters": 7, "stage3_gather_fp16_weights_on_model_save": True,
+                                      "cpu_offload": True}})
+    zero = cfg.zero_optimization
+    assert zero.max_live_parameters == 7 and zero.gather_16bit_weights_on_model_save
+    assert zero.offload_optimizer.device == "cpu"
+    assert any("deprecated" in w for w in cfg.warnings)
+
+
+def test_both_alias_spellings_is_an_error():
+    err = error_of({**BASE, "zero_optimization": {"stage": 3, "max_live_parameters": 7, "stage3_max_live_parameters": 8}})
+    assert "same setting" in str(err)
+
+
+def test_deprecated_and_new_together_is_deepspeeds_error():
+    err = error_of({**BASE, "zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                                                  "stage3_gather_16bit_weights_on_model_save": True}})
+    assert "Cannot provide deprecated parameter" in str(err)
+
+
+def test_bool_zero_and_legacy_bfloat16():
+    cfg = load({"zero_optimization": True, "bfloat16": {"enabled": True}})
+    assert cfg.zero_optimization.stage == 1 and cfg.bf16.enabled and cfg.precision == "bf16"
+
+
+def test_deepspeed_defaults():
+    cfg = load()
+    zero = cfg.zero_optimization
+    assert cfg.gradient_clipping == 1.0  # 0.19.8 default
+    assert (zero.reduce_bucket_size, zero.allgather_bucket_size, zero.overlap_comm) == (500_000_000, 500_000_000, False)
+    assert (zero.prefetch_bucket_size, zero.param_persistence_threshold) == (50_000_000, 100_000)
+    assert (zero.max_live_parameters, zero.max_reuse_distance, zero.sub_group_size) == (10**9, 10**9, 10**9)
+    assert load({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
+    fp16 = cfg.fp16.scaler_args()
+    assert fp16 == {"init_scale": 65536.0, "scale_window": 1000, "min_scale": 1, "delayed_shift": 2,
+                    "consecutive_hysteresis": False}
+
+
+def test_element_counts_accept_float_notation_but_not_fractions():
+    assert load({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}).zero_optimization.reduce_bucket_size == 500_000_000
+    err = error_of({**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": 2.5}})
+    assert err.key == "zero_optimization.reduce_bucket_size"
+
+
+# --- cross-field rules -------------------------------------------------------------------------
+
+ADAM = {"type": "AdamW", "params": {"lr": 1e-3}}
+
+
+@pytest.mark.parametrize("extra, key, text", [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled", "cannot be simultaneously enabled"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "0, 1, 2 or 3"),
+    ({"activation_checkpointing": {"contiguous_memory_optimization": True, "number_checkpoints": 4}},
+     "activation_checkpointing.contiguous_memory_optimization", "only available with partitioned activations"),
+    ({"activation_checkpointing": {"contiguous_memory_optimization": True, "partition_activations": True}},
+     "activation_checkpointing.number_checkpoints", "Must specify the number of layers"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}, "fp16": {"enabled": True},
+      "zero_optimization": {"stage": 1}}, "optimizer.type", "incompatible with ZeRO"),
+    ({"optimizer": ADAM, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
+     "scheduler.params.total_num_steps", "required"),
+    ({"optimizer": ADAM, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}},
+     "scheduler.params.cycle_min_lr", "required"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}}, "optimizer.params.lr", "positive"),
+    ({"train_micro_batch_size_per_gpu": -2}, "train_batch_size", "Train batch size: -2 has to be greater than 0"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.offload_optimizer.device", "NVMe"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "zero_optimization.offload_optimizer.ratio", "Partial offloading only supported for ZeRO Stage 3"),
+    ({"optimizer": {"type": "adamw2", "params": {}}}, "optimizer.type", "not a supported DeepSpeed Optimizer"),
+    ({"optimizer": {"type": "sgd", "params": {"lr": 0.1}}}, "optimizer.type", "not a supported DeepSpeed Optimizer"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}, "optimizer", "gradient_clipping"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}},
+     "zero_allow_untested_optimizer", "untested ZeRO Optimizer"),
+    ({"communication_data_type": "int8"}, "communication_data_type", "Supported data types: ['fp16', 'bf16', 'fp32']. Got: int8"),
+    ({"gradient_allreduce_op": "SUM", "zero_optimization": {"stage": 3}}, "gradient_allreduce_op", "stage 3"),
+    ({"prescale_gradients": True, "zero_optimization": {"stage": 2}}, "prescale_gradients", "post-scaling"),
+    ({"gradient_predivide_factor": 2.0, "zero_optimization": {"stage": 3}}, "gradient_predivide_factor", "1.0"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, "data_types.grad_accum_dtype", "unsupported mix"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale", "must be > 0 when dynamic"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0.5}}, "fp16.min_loss_scale", "integer"),
+    ({"zero_optimization": {"stage": 3, "compute_grad_norm": False}}, "zero_optimization.compute_grad_norm", "Stage 1 or 2"),
+    ({"zero_optimization": {"stage": 1, "legacy_stage1": True}}, "zero_optimization.legacy_stage1", "not supported"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size", "greater than 0"),
+])
+def test_cross_field_rules(extra, key, text):
+    err = error_of({**BASE, **extra})
+    assert key in err.key and text in str(err), str(err)
+
+
+def test_several_problems_are_reported_together():
+    with pytest.raises(ConfigErrors) as info:
+        load({"fp16": {"enabled": True}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+    assert len(info.value.errors) == 2
+
+
+def test_adam_means_adamw_unless_adam_w_mode_false():
+    from raydeep.optim.optimizers import resolve_optimizer
+    import torch
+
+    assert resolve_optimizer("Adam", {"lr": 1e-3}).cls is torch.optim.AdamW
+    assert resolve_optimizer("Adam", {"lr": 1e-3, "adam_w_mode": False}).cls is torch.optim.Adam
+    assert load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}).optimizer.type == "Adam"
+
+
+def test_field_report_advice_for_long_accumulation_without_clipping():
+    cfg = load_config({"train_batch_size": 1024, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0})
+    assert cfg.gradient_accumulation_steps == 128
+    assert any("above 32 accumulation steps" in w for w in cfg.warnings)
+
+
+def test_harmless_no_ops_warn():
+    cfg = load({"zero_optimization": {"stage": 1, "round_robin_gradients": True, "offload_param": {"device": "cpu"}},
+                "activation_checkpointing": {"partition_activations": True}})
+    text = "\n".join(cfg.warnings)
+    assert "round_robin_gradients" in text and "offload_param has no effect below stage 3" in text
+    assert "partition_activations has no effect" in text
+
+
+# --- elasticity (kept from DeepSpeed releases that had it) ------------------------------------
+
+def test_elasticity_v01_plan_and_invalid_world_size():
+    section = ElasticityConfig(enabled=True, max_train_batch_size=64, micro_batch_sizes=[2, 4], version=0.1)
+    plan = elastic_plan(section, 2)
+    assert plan.train_batch_size == 48 and plan.micro_batch * plan.grad_accum * 2 == 48
+    assert valid_world_sizes(48, [2, 4], 1, 32) == [1, 2, 3, 4, 6, 8, 12, 24]
+    with pytest.raises(ConfigError, match="is not valid with the current list of valid GPU counts"):
+        elastic_plan(section, 5)
+
+
+def test_elasticity_keeps_the_global_batch_across_world_sizes():
+    data = {"elasticity": {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6],
+                           "min_gpus": 1, "max_gpus": 64, "version": 0.1}}
+    plans = {w: load_config(data, world_size=w) for w in (1, 2, 4, 8)}
+    assert len({c.train_batch_size for c in plans.values()}) == 1
+    for w, c in plans.items():
+        assert c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * w == c.train_batch_size
+
+
+def test_elasticity_refuses_batch_keys_unless_ignored():
+    data = {"train_batch_size": 8, "elasticity": {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2]}}
+    assert "will not be used" in str(error_of(data))
+    data["elasticity"]["ignore_non_elastic_batch_info"] = True
+    assert load_config(data, world_size=2).train_batch_size % 2 == 0
