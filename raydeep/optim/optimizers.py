@@ -161,18 +161,19 @@ class Lamb(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
+        # at least fp32 math for low-precision params: the trust ratio needs the precision
+        dtype = torch.promote_types(p.dtype, torch.float32)
         if not state:
             state["step"] = 0
-            # fp32 moments even for low-precision params: the trust ratio needs the precision.
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
         state["step"] += 1
         beta1, beta2 = group["betas"]
-        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad.float()
+        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad.to(dtype)
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = (v + group["eps"]).sqrt_() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
-        w = p.detach().float()
+        w = p.detach().to(dtype)
         update = m / denom
         if group["weight_decay"] != 0:
             update.add_(w, alpha=group["weight_decay"])
@@ -370,7 +371,7 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
         >>> resolve_optimizer("sgd", {})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        raydeep.errors.ConfigError: optimizer.type = 'sgd': sgd is not a supported DeepSpeed Optimizer; did you mean 'SGD'?...
+        raydeep.errors.ConfigError: ... sgd is not a supported DeepSpeed Optimizer; did you mean 'SGD'?...
     """
     if not isinstance(type_name, str) or not type_name:
         raise ConfigError("optimizer.type", "must be a non-empty string", value=type_name,
@@ -403,8 +404,10 @@ def needs_untested_flag(spec: OptimizerSpec) -> bool:
     family is incompatible with ZeRO and is rejected by the ZeRO config checks instead.
 
     Example:
-        >>> needs_untested_flag(resolve_optimizer("AdamW", {})), needs_untested_flag(resolve_optimizer("SGD", {"lr": 1}))
-        (False, True)
+        >>> needs_untested_flag(resolve_optimizer("AdamW", {}))
+        False
+        >>> needs_untested_flag(resolve_optimizer("SGD", {"lr": 0.1}))
+        True
     """
     if spec.name in ONEBIT_OPTIMIZERS:
         return False
@@ -422,7 +425,8 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Iterable[Any],
 
     Example:
         >>> import torch
-        >>> opt = build_optimizer(resolve_optimizer("AdamW", {}), [torch.nn.Parameter(torch.zeros(2))], prefer_fused=True)
+        >>> spec = resolve_optimizer("AdamW", {})
+        >>> opt = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(2))], prefer_fused=True)
         >>> opt.defaults["fused"]
         True
     """

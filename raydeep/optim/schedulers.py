@@ -14,12 +14,8 @@ Example:
     >>> import torch
     >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     >>> sched = build_scheduler("WarmupLR", {"warmup_num_steps": 4, "warmup_type": "linear"}, opt)
-    >>> lrs = [opt.param_groups[0]["lr"]]
-    >>> for _ in range(4):
-    ...     sched.step()
-    ...     lrs.append(opt.param_groups[0]["lr"])
-    >>> [round(x, 3) for x in lrs]
-    [0.0, 0.0, 0.025, 0.05, 0.075]
+    >>> [round((sched.step(), opt.param_groups[0]["lr"])[1], 3) for _ in range(4)]
+    [0.0, 0.025, 0.05, 0.075]
 """
 
 from __future__ import annotations
@@ -42,18 +38,9 @@ SCHEDULER_NAMES: tuple[str, ...] = ("LRRangeTest", "OneCycle", "WarmupLR", "Warm
 _NOT_STARTED_MSG = "Attempting to get learning rate from scheduler before it has started"
 
 
-def get_torch_optimizer(optimizer: Any) -> Optimizer:
-    """Return the ``torch.optim.Optimizer`` behind ``optimizer``.
-
-    Wrappers that keep the real optimizer in an ``.optimizer`` attribute are unwrapped
-    one level, so a scheduler can drive the param groups the step actually reads.
-
-    Example:
-        >>> import torch
-        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> get_torch_optimizer(opt) is opt
-        True
-    """
+def _get_torch_optimizer(optimizer: Any) -> Optimizer:
+    # Wrappers that keep the real optimizer in ``.optimizer`` are unwrapped one level, so
+    # the scheduler drives the param groups the step actually reads.
     if isinstance(optimizer, Optimizer):
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
@@ -62,17 +49,8 @@ def get_torch_optimizer(optimizer: Any) -> Optimizer:
     raise TypeError(f"{type(optimizer).__name__} is not a subclass of torch.optim.Optimizer")
 
 
-def update_lr(param_groups: list[dict], lrs: Sequence[Any]) -> list[Any]:
-    """Write ``lrs`` into ``param_groups`` and return the values now stored there.
-
-    Tensor learning rates are filled in place so that compiled/captured optimizers that
-    hold a reference to the tensor see the change.
-
-    Example:
-        >>> groups = [{"lr": 1.0}, {"lr": 2.0}]
-        >>> update_lr(groups, [0.5, 0.25])
-        [0.5, 0.25]
-    """
+def _update_lr(param_groups: list[dict], lrs: Sequence[Any]) -> list[Any]:
+    # Tensor LRs are filled in place: compiled/captured optimizers hold a reference to them.
     for group, lr in zip(param_groups, lrs):
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
@@ -132,7 +110,7 @@ class _Scheduler:
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())
+        self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
 
     def state_dict(self) -> dict[str, int]:
         """Return ``{'last_batch_iteration': t}``, the whole resumable state."""
@@ -157,31 +135,21 @@ class LRRangeTest(_Scheduler):
         0.15
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
-        lr_range_test_step_size: int = 2000,
-        lr_range_test_step_rate: float = 1.0,
-        lr_range_test_staircase: bool = False,
-        last_batch_iteration: int = -1,
-    ) -> None:
-        self.optimizer = get_torch_optimizer(optimizer)
-        if isinstance(lr_range_test_min_lr, (list, tuple)):
-            if len(lr_range_test_min_lr) != len(self.optimizer.param_groups):
-                raise ValueError(
-                    f"expected {len(self.optimizer.param_groups)} lr_range_test_min_lr, got {len(lr_range_test_min_lr)}"
-                )
-            self.min_lr = list(lr_range_test_min_lr)
-        else:
-            self.min_lr = [lr_range_test_min_lr] * len(self.optimizer.param_groups)
+    def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+        self.optimizer = _get_torch_optimizer(optimizer)
+        n_groups, is_list = len(self.optimizer.param_groups), isinstance(lr_range_test_min_lr, (list, tuple))
+        if is_list and len(lr_range_test_min_lr) != n_groups:
+            raise ValueError(f"expected {n_groups} lr_range_test_min_lr, got {len(lr_range_test_min_lr)}")
+        self.min_lr = list(lr_range_test_min_lr) if is_list else [lr_range_test_min_lr] * n_groups
         _check_positive_int(lr_range_test_step_size, "lr_range_test_step_size")
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
         self.last_batch_iteration = last_batch_iteration
         if last_batch_iteration == -1:
-            self._last_lr = update_lr(self.optimizer.param_groups, self.min_lr)
+            self._last_lr = _update_lr(self.optimizer.param_groups, self.min_lr)
 
     def _interval(self) -> float:
         k = float(self.last_batch_iteration + 1) / self.step_size
@@ -212,32 +180,21 @@ class OneCycle(_Scheduler):
         (0.3, 0.85)
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        cycle_min_lr: float | Sequence[float],
-        cycle_max_lr: float | Sequence[float],
-        decay_lr_rate: float = 0.0,
-        cycle_first_step_size: int = 2000,
-        cycle_second_step_size: int | None = None,
-        cycle_first_stair_count: int = 0,
-        cycle_second_stair_count: int | None = None,
-        decay_step_size: int = 0,
-        cycle_momentum: bool = True,
-        cycle_min_mom: float | Sequence[float] = 0.8,
-        cycle_max_mom: float | Sequence[float] = 0.9,
-        decay_mom_rate: float = 0.0,
-        last_batch_iteration: int = -1,
-    ) -> None:
-        self.optimizer = get_torch_optimizer(optimizer)
+    def __init__(self, optimizer: Optimizer, cycle_min_lr: float | Sequence[float],
+                 cycle_max_lr: float | Sequence[float], decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True,
+                 cycle_min_mom: float | Sequence[float] = 0.8, cycle_max_mom: float | Sequence[float] = 0.9,
+                 decay_mom_rate: float = 0.0, last_batch_iteration: int = -1) -> None:
+        self.optimizer = _get_torch_optimizer(optimizer)
         self._init_cycle(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
                          cycle_second_stair_count, decay_step_size)
         self.min_lrs = _format_param(self.optimizer, cycle_min_lr, "cycle_min_lr")
         self.max_lrs = _format_param(self.optimizer, cycle_max_lr, "cycle_max_lr")
-        # Both bounds are validated before the optimizer is touched, so a bad
-        # cycle_max_lr cannot leave the param groups half updated.
+        # Both bounds are validated first so a bad cycle_max_lr leaves the groups untouched.
         if last_batch_iteration == -1:
-            update_lr(self.optimizer.param_groups, self.min_lrs)
+            _update_lr(self.optimizer.param_groups, self.min_lrs)
         self.decay_lr_rate = decay_lr_rate
         if math.isclose(decay_lr_rate, 0):
             self.skip_lr_decay = True
@@ -266,10 +223,8 @@ class OneCycle(_Scheduler):
 
     def _init_momentum(self, min_mom: Any, max_mom: Any, decay_mom_rate: float, last_batch_iteration: int) -> None:
         if "betas" not in self.optimizer.defaults:
-            logger.warning(
-                f"cycle_momentum is disabled because optimizer {type(self.optimizer).__name__} does not support "
-                "momentum, no betas attribute in defaults"
-            )
+            logger.warning(f"cycle_momentum is disabled because optimizer {type(self.optimizer).__name__} does not "
+                           "support momentum, no betas attribute in defaults")
             self.cycle_momentum = False
             return
         self.decay_mom_rate = decay_mom_rate
@@ -343,25 +298,15 @@ class WarmupLR(_Scheduler):
         >>> import torch
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> s = WarmupLR(opt, warmup_num_steps=2, warmup_type="linear")
-        >>> lrs = [s.get_last_lr()[0]]
-        >>> for _ in range(3):
-        ...     s.step()
-        ...     lrs.append(s.get_last_lr()[0])
-        >>> lrs
+        >>> s.get_last_lr() + [(s.step(), s.get_last_lr()[0])[1] for _ in range(3)]
         [0.0, 0.0, 0.05, 0.1]
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] | None = None,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = WARMUP_LOG_RATE,
-        last_batch_iteration: int = -1,
-    ) -> None:
+    def __init__(self, optimizer: Optimizer, warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1) -> None:
         _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        self.optimizer = get_torch_optimizer(optimizer)
+        self.optimizer = _get_torch_optimizer(optimizer)
         if warmup_max_lr is None:
             # Cloned so that filling a tensor lr in place cannot move the target.
             warmup_max_lr = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"]
@@ -374,7 +319,7 @@ class WarmupLR(_Scheduler):
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self.last_batch_iteration = last_batch_iteration
         if last_batch_iteration == -1:
-            self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())
+            self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
 
     def get_lr(self) -> list[Any]:
         """LRs for the current ``last_batch_iteration`` (``min`` with a warning before start)."""
@@ -405,16 +350,9 @@ class WarmupDecayLR(WarmupLR):
         [0.0]
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        total_num_steps: int,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] | None = 0.001,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = WARMUP_LOG_RATE,
-        last_batch_iteration: int = -1,
-    ) -> None:
+    def __init__(self, optimizer: Optimizer, total_num_steps: int, warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] | None = 0.001, warmup_num_steps: int = 1000,
+                 warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1) -> None:
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
@@ -446,18 +384,11 @@ class WarmupCosineLR(_Scheduler):
         [0.1]
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        total_num_steps: int,
-        warmup_min_ratio: float = 0.0,
-        warmup_num_steps: int = 1000,
-        cos_min_ratio: float = 0.0001,
-        warmup_type: str = WARMUP_LOG_RATE,
-        last_batch_iteration: int = -1,
-    ) -> None:
+    def __init__(self, optimizer: Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE,
+                 last_batch_iteration: int = -1) -> None:
         _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        self.optimizer = get_torch_optimizer(optimizer)
+        self.optimizer = _get_torch_optimizer(optimizer)
         self.total_num_steps = total_num_steps
         self.last_batch_iteration = last_batch_iteration
         self.cos_min_ratio = cos_min_ratio
@@ -469,7 +400,7 @@ class WarmupCosineLR(_Scheduler):
             logger.warning(f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}")
         self.org_lrs = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"] for g in self.optimizer.param_groups]
         if last_batch_iteration == -1:
-            self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())
+            self._last_lr = _update_lr(self.optimizer.param_groups, self.get_lr())
 
     def get_lr_ratio(self) -> float:
         """The multiplier applied to every group's original LR at the current iteration."""
@@ -496,23 +427,16 @@ class WarmupCosineLR(_Scheduler):
         return [org_lr * ratio for org_lr in self.org_lrs]
 
 
-_SCHEDULERS: dict[str, type] = {
-    "LRRangeTest": LRRangeTest,
-    "OneCycle": OneCycle,
-    "WarmupLR": WarmupLR,
-    "WarmupDecayLR": WarmupDecayLR,
-    "WarmupCosineLR": WarmupCosineLR,
-}
+_SCHEDULERS: dict[str, type] = {cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR,
+                                                                WarmupCosineLR)}
 
 
 def _torch_scheduler_names() -> list[str]:
+    # Only concrete scheduler classes: the module also exports helpers such as Optimizer.
     mod = torch.optim.lr_scheduler
-    base = mod.LRScheduler
-    return sorted(
-        name for name in dir(mod)
-        if not name.startswith("_") and isinstance(getattr(mod, name), type)
-        and (issubclass(getattr(mod, name), base) or name == "ReduceLROnPlateau") and name != "LRScheduler"
-    )
+    return sorted(name for name, obj in vars(mod).items()
+                  if not name.startswith("_") and name != "LRScheduler" and isinstance(obj, type)
+                  and (issubclass(obj, mod.LRScheduler) or name == "ReduceLROnPlateau"))
 
 
 def resolve_scheduler_class(scheduler_type: str) -> type:
@@ -546,10 +470,8 @@ def required_params(scheduler_type: str) -> list[str]:
     """
     cls = resolve_scheduler_class(scheduler_type)
     params = list(inspect.signature(cls).parameters.values())[1:]  # drop the optimizer
-    return [
-        p.name for p in params
-        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
+    return [p.name for p in params
+            if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def build_scheduler(scheduler_type: str, params: dict[str, Any] | None, optimizer: Any) -> Any:

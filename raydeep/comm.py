@@ -1,0 +1,139 @@
+"""Thin collectives over torch.distributed that count bytes and time per op.
+
+Every collective the engine issues goes through here, so ``CommStats`` can prove ZeRO's
+communication volume (bytes are the full logical tensor: the all-reduced tensor, the
+reduce-scatter input, the all-gather output) and measure how much of it training waits for.
+With one rank (or no process group) the ops are no-ops and move nothing.
+
+>>> stats = CommStats()
+>>> t = all_reduce(torch.ones(4), stats)
+>>> stats.summary()
+{}
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    # Seconds the caller was blocked: the whole op when synchronous, only the wait when async.
+    blocked_s: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Bytes, calls and blocked time per collective type since the last ``reset()``."""
+
+    ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+
+    def record(self, op: str, nbytes: int, seconds: float) -> None:
+        entry = self.ops[op]
+        entry.calls += 1
+        entry.bytes += nbytes
+        entry.blocked_s += seconds
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {op: {"calls": s.calls, "bytes": s.bytes, "blocked_s": s.blocked_s} for op, s in self.ops.items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.ops.values())
+
+    @property
+    def total_blocked_s(self) -> float:
+        return sum(s.blocked_s for s in self.ops.values())
+
+
+class Pending:
+    """An in-flight collective; ``wait()`` records the time spent blocked on it."""
+
+    def __init__(self, work, stats: CommStats | None, op: str):
+        self.work, self.stats, self.op = work, stats, op
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        start = time.perf_counter()
+        self.work.wait()
+        if self.stats is not None:
+            self.stats.ops[self.op].blocked_s += time.perf_counter() - start
+        self.work = None
+
+
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch) -> Pending:
+    start = time.perf_counter()
+    work = launch(async_op)
+    if stats is not None:
+        stats.record(op, nbytes, 0.0 if async_op else time.perf_counter() - start)
+    return Pending(work if async_op else None, stats, op)
+
+
+def all_reduce(tensor: torch.Tensor, stats: CommStats | None = None, op=None, group=None,
+               async_op: bool = False) -> Pending:
+    """Sum (or ``op``) ``tensor`` in place across ranks."""
+    if world_size(group) == 1:
+        return Pending(None, None, "all_reduce")
+    reduce_op = dist.ReduceOp.SUM if op is None else op
+    return _run("all_reduce", tensor.numel() * tensor.element_size(), stats, async_op,
+                lambda a: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=a))
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
+                   async_op: bool = False) -> Pending:
+    """Sum ``input`` across ranks and keep this rank's equal chunk in ``output``."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return Pending(None, None, "reduce_scatter")
+    return _run("reduce_scatter", input.numel() * input.element_size(), stats, async_op,
+                lambda a: _REDUCE_SCATTER(output, input, group=group, async_op=a))
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
+               async_op: bool = False) -> Pending:
+    """Concatenate every rank's equal-size ``input`` into ``output``."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return Pending(None, None, "all_gather")
+    return _run("all_gather", output.numel() * output.element_size(), stats, async_op,
+                lambda a: _ALL_GATHER(output, input, group=group, async_op=a))
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None, group=None) -> None:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
+    if world_size(group) == 1:
+        return
+    _run("broadcast", tensor.numel() * tensor.element_size(), stats, False,
+         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a))
+
+
+def all_reduce_scalar(value: float, op: str = "sum", stats: CommStats | None = None, group=None) -> float:
+    """All-reduce one float64 scalar (norms, overflow flags) and return it."""
+    t = torch.tensor([value], dtype=torch.float64)
+    if world_size(group) > 1:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        all_reduce(t, stats, op=reduce_op, group=group)
+    return float(t.item())

@@ -1,0 +1,175 @@
+"""build_engine: the one place where features are chosen from the config.
+
+It casts the model to the training precision, makes every rank start from rank 0's weights,
+groups parameters into FlatUnits, picks the ZeRO strategy for the stage, and builds the
+optimizer (over the fp32 master shards), LR scheduler and loss scaler. Each component gets
+only its own section.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raydeep import comm
+from raydeep.config import RaydeepConfig
+from raydeep.engine.engine import Engine, EngineSettings
+from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
+from raydeep.optim.schedulers import build_scheduler
+from raydeep.precision.loss_scaler import build_loss_scaler
+from raydeep.zero.flat import FlatUnit
+from raydeep.zero.layout import plan_buckets
+from raydeep.zero.stage3 import PrefetchPolicy, Stage3
+from raydeep.zero.strategy import ReduceSpec, Stage0, Stage1, Stage2
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, optimizer=None,
+                 lr_scheduler=None, device: torch.device | None = None) -> Engine:
+    """Wire an Engine for ``model`` from a resolved config (see ``raydeep.initialize``)."""
+    device = device or torch.device("cpu")
+    rank, world = comm.rank(), comm.world_size()
+    assert world == cfg.world_size, f"config resolved for world size {cfg.world_size}, process group has {world}"
+    dtype = DTYPES[cfg.precision]
+    model.to(device)
+    for p in model.parameters():  # 0.19.8: parameters are cast, buffers keep their dtype
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    stats = comm.CommStats()
+    for t in list(model.parameters()) + list(model.buffers()):
+        comm.broadcast(t.data, 0, stats)  # every rank starts from rank 0's weights, as DeepSpeed does
+    groups = _param_groups(model, model_parameters)
+    stage = cfg.zero_optimization.stage
+    units, extra = _build_units(model, groups, cfg, rank, world, dtype)
+    strategy = _build_strategy(stage, units, cfg, world, dtype, stats, extra)
+    opt = _build_optimizer(cfg, groups, units, optimizer)
+    sched = _build_scheduler(cfg, opt, lr_scheduler)
+    scaler = build_loss_scaler(cfg.fp16.model_dump() if cfg.fp16.enabled else None, stage, rank=rank)
+    stats.reset()
+    settings = EngineSettings(
+        train_batch_size=cfg.train_batch_size, micro_batch=cfg.train_micro_batch_size_per_gpu,
+        grad_accum=cfg.gradient_accumulation_steps, gradient_clipping=cfg.gradient_clipping,
+        precision=cfg.precision, stage=stage, steps_per_print=cfg.steps_per_print,
+        skip_nonfinite=cfg.precision != "bf16" or stage in (0, 3) or cfg.bf16.check_grad_overflow,
+        compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
+        comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown)
+    return Engine(model, strategy, opt, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
+
+
+def _param_groups(model: nn.Module, model_parameters) -> list[tuple[dict, list[tuple[str, nn.Parameter]]]]:
+    """Normalise ``model_parameters`` (None, tensors, or group dicts) to named groups."""
+    names = {p: n for n, p in model.named_parameters()}
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    model_parameters = list(model_parameters)
+    if model_parameters and isinstance(model_parameters[0], dict):
+        raw = [({k: v for k, v in g.items() if k != "params"}, list(g["params"])) for g in model_parameters]
+    else:
+        raw = [({}, model_parameters)]
+    seen, groups = set(), []
+    for opts, params in raw:
+        named = []
+        for p in params:
+            if p in seen:
+                raise ValueError(f"parameter {names.get(p, '?')} appears in more than one parameter group")
+            seen.add(p)
+            named.append((names[p], p))
+        if named:  # DeepSpeed drops empty groups
+            groups.append((opts, named))
+    return groups
+
+
+def _build_units(model, groups, cfg, rank, world, dtype):
+    zero = cfg.zero_optimization
+    grad_dtype = DTYPES[cfg.grad_accum_dtype]
+    if zero.stage < 3:
+        partitions = 1 if zero.stage == 0 else world
+        units = []
+        for g, (_, named) in enumerate(groups):
+            ordered = named[::-1]  # gradients arrive roughly in reverse order: bucket that way
+            for bucket in plan_buckets([p.numel() for _, p in ordered], zero.reduce_bucket_size):
+                units.append(FlatUnit(f"group{g}.bucket{len(units)}", [ordered[i] for i in bucket], rank,
+                                      partitions, g, grad_dtype, separate_local=False))
+        return units, None
+    return _stage3_units(model, groups, cfg, rank, world, grad_dtype)
+
+
+def partition_modules(model: nn.Module, spec) -> list[nn.Module]:
+    """The stage-3 partition units: the root first, then each block (``"auto"``: every element
+    of an ``nn.ModuleList``, e.g. each transformer layer), leaf modules (``"param"``), or the
+    modules whose class name is listed."""
+    if spec == "auto":
+        inner = [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml]
+    elif spec == "param":
+        inner = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+    else:
+        inner = [m for m in model.modules() if type(m).__name__ in set(spec)]
+    return [model] + [m for m in inner if any(p.requires_grad for p in m.parameters())]
+
+
+def _stage3_units(model, groups, cfg, rank, world, grad_dtype):
+    zero = cfg.zero_optimization
+    modules = partition_modules(model, cfg.raydeep.partition_units)
+    owner = {}
+    for m_index, module in enumerate(modules):  # pre-order: deeper units overwrite their ancestors
+        for p in module.parameters():
+            owner[p] = m_index
+    group_of = {p: g for g, (_, named) in enumerate(groups) for _, p in named}
+    persistent_budget = zero.model_persistence_threshold
+    buckets: dict[tuple, list] = {}
+    for g, (_, named) in enumerate(groups):
+        for name, p in named:
+            small = p.numel() <= zero.param_persistence_threshold and p.numel() <= persistent_budget
+            if small:
+                persistent_budget -= p.numel()
+            key = ("persistent", group_of[p]) if small else (owner[p], group_of[p])
+            buckets.setdefault(key, []).append((name, p))
+    units, persistent, module_units = [], set(), [(m, []) for m in modules]
+    for key, named in buckets.items():
+        index = len(units)
+        units.append(FlatUnit(f"{key[0]}.group{key[1]}", named, rank, world, key[1], grad_dtype,
+                              separate_local=key[0] != "persistent"))
+        if key[0] == "persistent":
+            persistent.add(index)
+        else:
+            module_units[key[0]][1].append(index)
+    return units, (module_units, persistent)
+
+
+def _build_strategy(stage, units, cfg, world, dtype, stats, extra):
+    comm_dtype = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else dtype
+    zero = cfg.zero_optimization
+    reduce = ReduceSpec(world, comm_dtype, average=cfg.gradient_allreduce_op == "mean",
+                        prescale=cfg.prescale_gradients, predivide=cfg.gradient_predivide_factor,
+                        overlap=zero.overlap_comm)
+    if stage == 3:
+        module_units, persistent = extra
+        policy = PrefetchPolicy(zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance)
+        return Stage3(units, reduce, stats, module_units, persistent, policy)
+    return {0: Stage0, 1: Stage1, 2: Stage2}[stage](units, reduce, stats)
+
+
+def _build_optimizer(cfg, groups, units, client_optimizer):
+    master_groups = []
+    for g, (opts, _) in enumerate(groups):
+        masters = [u.master for u in units if u.group_index == g]
+        if masters:
+            master_groups.append({**opts, "params": masters})
+    if client_optimizer is not None:
+        if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
+            return client_optimizer(master_groups)
+        # Rebuild the user's optimizer over the master shards, keeping its hyperparameters.
+        return type(client_optimizer)(master_groups, **client_optimizer.defaults)
+    if cfg.optimizer is None:
+        raise ValueError("no optimizer: add an \"optimizer\" section to the config or pass optimizer=")
+    spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
+    return build_optimizer(spec, master_groups, prefer_fused=True)
+
+
+def _build_scheduler(cfg, optimizer, client_scheduler):
+    if client_scheduler is not None:
+        return client_scheduler(optimizer) if callable(client_scheduler) and not hasattr(client_scheduler, "step") \
+            else client_scheduler
+    if cfg.scheduler is None:
+        return None
+    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)

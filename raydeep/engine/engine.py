@@ -1,0 +1,205 @@
+"""The Engine: DeepSpeed's training API over a ZeRO strategy. The training step reads top-down.
+
+    loss = engine(x, y)          # forward (stage 3 gathers each block just in time)
+    engine.backward(loss)        # loss / GAS (x loss scale); gradients reduced per bucket
+    engine.step()                # every micro-batch; the optimizer runs only at the boundary
+
+At the boundary, ``_take_model_step`` does, in order: global gradient norm (one all-reduce) ->
+overflow decision -> unscale and clip into the fp32 masters -> optimizer step on this rank's
+shard -> publish updated parameters (all-gather for stages 1-2) -> scheduler and loss scaler.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raydeep import comm
+from raydeep.optim.clip import clip_coefficient
+
+logger = logging.getLogger("raydeep")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the step needs from the config, resolved once by the builder."""
+
+    train_batch_size: int
+    micro_batch: int
+    grad_accum: int
+    gradient_clipping: float
+    precision: str
+    stage: int
+    steps_per_print: int | None = None
+    skip_nonfinite: bool = True
+    compute_grad_norm: bool = True
+    auto_cast: bool = False
+    comms_logger: bool = False
+
+
+class Engine(nn.Module):
+    """A model wrapped for ZeRO training; build it with :func:`raydeep.initialize`.
+
+    >>> import raydeep, torch
+    >>> model = torch.nn.Linear(4, 1)
+    >>> engine, *_ = raydeep.initialize(model=model, config={"train_batch_size": 2,
+    ...     "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2}})
+    >>> loss = engine(torch.ones(2, 4)).pow(2).mean()
+    >>> _ = engine.backward(loss); engine.step(); engine.global_steps
+    1
+    """
+
+    def __init__(self, module, strategy, optimizer, lr_scheduler, scaler, stats, settings: EngineSettings,
+                 device: torch.device, rank: int, world_size: int):
+        super().__init__()
+        self.module = module
+        self.strategy, self.optimizer, self.lr_scheduler, self.loss_scaler = strategy, optimizer, lr_scheduler, scaler
+        self.stats, self.settings, self.device = stats, settings, device
+        self.rank, self.world_size = rank, world_size
+        self.local_rank = int(device.index or 0) if device.type == "cuda" else 0
+        self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self.training_dataloader = None
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+
+    # --- forward / backward / step ------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self.settings.auto_cast:
+            inputs = tuple(t.half() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Divide by GAS, apply the loss scale, backpropagate, reduce gradients; returns loss / GAS."""
+        assert loss.dim() == 0, "engine.backward expects a scalar loss"
+        if scale_wrt_gas and self.settings.grad_accum > 1:
+            loss = loss / self.settings.grad_accum
+        boundary = self.is_gradient_accumulation_boundary()
+        scaled = loss * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else loss
+        self.strategy.begin_backward(boundary)
+        scaled.backward(retain_graph=retain_graph)
+        self.strategy.end_backward(boundary)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.settings.grad_accum == 0
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every micro-batch; applies the update only at the accumulation boundary."""
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        scale = self.loss_scaler.loss_scale
+        total_norm = self._global_norm() if self.settings.compute_grad_norm else 0.0
+        overflow = self.settings.skip_nonfinite and not math.isfinite(total_norm)
+        if overflow:
+            self._global_grad_norm = float("inf")
+            self.skipped_steps += 1
+            self._step_applied = False
+        else:
+            combined = clip_coefficient(total_norm, scale, self.settings.gradient_clipping)
+            self._global_grad_norm = total_norm / scale
+            self.strategy.set_master_grads(1.0 / combined)
+            self.optimizer.step()
+            self.strategy.after_step()
+            self._step_applied = True
+        self.loss_scaler.update_scale(overflow)
+        if not overflow and self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.strategy.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.settings.train_batch_size
+        self._report_progress()
+
+    def _global_norm(self) -> float:
+        sq = self.strategy.grad_sq_norm()
+        if self.strategy.sharded_grads:
+            sq = comm.all_reduce_scalar(sq, "sum", self.stats)
+        return math.sqrt(sq) if math.isfinite(sq) else float("nan")
+
+    def train_batch(self, data_iter) -> torch.Tensor:
+        """Run one full optimizer step (GAS micro-batches from ``data_iter``); returns the mean loss."""
+        total = torch.zeros(())
+        for _ in range(self.settings.grad_accum):
+            batch = next(data_iter)
+            loss = self(*batch) if isinstance(batch, (tuple, list)) else self(batch)
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float()
+        return total / self.settings.grad_accum
+
+    def zero_grad(self) -> None:
+        self.strategy.zero_grad()
+
+    def _report_progress(self) -> None:
+        every = self.settings.steps_per_print
+        if every and self.global_steps % every == 0 and self.rank == 0:
+            logger.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
+                        self.get_lr(), self.get_mom())
+            if self.settings.comms_logger:
+                logger.info("comm: %s", self.comm_stats())
+
+    # --- DeepSpeed's accessors ---------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def fp16_enabled(self) -> bool:
+        return self.settings.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.settings.precision == "bf16"
+
+    def zero_optimization_stage(self) -> int:
+        return self.settings.stage
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.settings.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.settings.grad_accum
+
+    def train_batch_size(self) -> int:
+        return self.settings.train_batch_size
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # --- self-measurement --------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients, fp32 master, optimizer states, buffers."""
+        out = dict(self.strategy.memory_breakdown())
+        states = 0
+        for state in self.optimizer.state.values():
+            states += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        out["optimizer_states"] = states
+        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        out["total"] = sum(out.values())
+        return out
+
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes, calls and blocked seconds per collective since the last ``reset_comm_stats()``."""
+        return self.stats.summary()
+
+    def reset_comm_stats(self) -> None:
+        self.stats.reset()

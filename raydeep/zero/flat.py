@@ -1,0 +1,90 @@
+"""FlatUnit: a group of parameters living in one flat, padded buffer, partitioned across ranks.
+
+Every ZeRO stage is built from FlatUnits; stages differ only in what each unit keeps resident:
+
+- ``full``:   the whole flat buffer in the model dtype; every parameter's ``.data`` is a view into it.
+              Stage 3 frees its storage between uses (the views survive and refill on gather).
+- ``local``:  this rank's shard of the parameters. A view into ``full`` for stages 0-2; separate
+              storage for stage 3, because ``full`` is freed.
+- ``master``: the fp32 ``nn.Parameter`` the optimizer updates. In fp32 training it *is* ``local``
+              (no copy); in fp16/bf16 it is an fp32 copy.
+- ``grad``:   this rank's gradient shard (``grad_accum_dtype``), which clipping and the optimizer read.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raydeep.zero.layout import UnitLayout
+
+
+class FlatUnit:
+    """Parameters of one unit, flattened and partitioned; see the module docstring."""
+
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], rank: int, partitions: int,
+                 group_index: int, grad_dtype: torch.dtype, separate_local: bool):
+        # With one partition (stage 0) every rank owns the whole buffer.
+        self.name, self.rank, self.group_index = name, rank if partitions > 1 else 0, group_index
+        self.params = [p for _, p in params]
+        self.param_names = [n for n, _ in params]
+        self.layout = UnitLayout.build([(n, tuple(p.shape)) for n, p in params], partitions)
+        dtype, device = self.params[0].dtype, self.params[0].device
+        self.full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        for slot, p in zip(self.layout.slots, self.params):
+            self.full[slot.offset:slot.offset + slot.numel].copy_(p.data.reshape(-1))
+            p.data = self._view(slot)
+        lo, hi = self.layout.shard_range(self.rank)
+        self.local = self.full[lo:hi].clone() if separate_local else self.full[lo:hi]
+        master_data = self.local if dtype == torch.float32 else self.local.detach().float()
+        self.master = nn.Parameter(master_data, requires_grad=True)
+        self.grad = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
+        self.gathered = True
+        self.pending = None  # an in-flight all-gather (stage-3 prefetch)
+
+    def _view(self, slot) -> torch.Tensor:
+        return self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.dtype
+
+    # --- parameter storage (stage 3) -----------------------------------------------------------
+    def free_full(self) -> None:
+        """Drop the gathered parameters; the per-parameter views stay valid for the next gather."""
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def alloc_full(self) -> None:
+        """Re-allocate storage for the gathered parameters (contents undefined until gathered)."""
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+
+    # --- gradients ------------------------------------------------------------------------------
+    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """This unit's full gradients as one padded flat tensor (zeros where a param got none)."""
+        out = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+        for slot, p in zip(self.layout.slots, self.params):
+            if p.grad is not None:
+                out[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+        return out
+
+    def drop_param_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def write_master_to_local(self) -> None:
+        """Copy the updated fp32 master into the model-dtype shard (no-op when they are the same)."""
+        if self.master.data.data_ptr() != self.local.data_ptr():
+            self.local.copy_(self.master.data)
+
+    # --- accounting -----------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this unit holds resident on this rank, by kind."""
+        full_bytes = self.full.untyped_storage().nbytes()
+        separate_local = self.local.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
+        params = full_bytes + (self.local.numel() * self.local.element_size() if separate_local else 0)
+        master = 0 if self.master.data.data_ptr() == self.local.data_ptr() else self.master.numel() * 4
+        return {"params": params, "master": master, "grads": self.grad.numel() * self.grad.element_size()}

@@ -1,0 +1,260 @@
+"""ZeRO stages 0-2: one strategy class per stage behind one small interface.
+
+The engine calls, per micro-step: ``begin_backward(boundary)``, autograd, ``end_backward(boundary)``;
+at the boundary: ``grad_sq_norm()``, ``set_master_grads(scale)``, the optimizer, ``after_step()``,
+``zero_grad()``. Gradients are reduced unit by unit: a unit is a bucket of parameters (stages 0-2,
+sized by ``reduce_bucket_size``) or a module (stage 3, ``stage3.py``).
+
+Note: collectives must be issued in the same order on every rank. Units are reduced when their
+last gradient arrives (autograd runs in the same order everywhere) and any unit a rank did not
+finish in backward is flushed in unit order by ``end_backward``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raydeep import comm
+from raydeep.zero.flat import FlatUnit
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How gradients are averaged: DeepSpeed's mean/sum, pre/post scaling and comm dtype."""
+
+    world_size: int
+    comm_dtype: torch.dtype
+    average: bool = True
+    prescale: bool = False
+    predivide: float = 1.0
+    overlap: bool = False
+
+    @property
+    def pre_factor(self) -> float:
+        if not self.average:
+            return 1.0
+        return 1.0 / self.world_size if self.prescale else 1.0 / self.predivide
+
+    @property
+    def post_factor(self) -> float:
+        if not self.average or self.prescale:
+            return 1.0
+        return self.predivide / self.world_size
+
+
+class ZeroStrategy:
+    """Shared machinery: per-unit gradient-ready counting and pending reductions."""
+
+    stage = -1
+    #: True when each rank holds only a shard of the gradients, so the norm needs a SUM all-reduce.
+    sharded_grads = True
+
+    def __init__(self, units: list[FlatUnit], reduce: ReduceSpec, stats: comm.CommStats):
+        self.units, self.reduce, self.stats = units, reduce, stats
+        self._ready: dict[int, int] = {}
+        self._reduced: set[int] = set()
+        self._pending: list[tuple[comm.Pending, callable]] = []
+        self._hooks_live = False
+        self._unit_of = {}
+        for i, unit in enumerate(units):
+            for p in unit.params:
+                if p.requires_grad:
+                    self._unit_of[p] = i
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # --- the engine-facing interface -------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self._ready.clear()
+        self._reduced.clear()
+        self._hooks_live = self._reduce_this_micro_step(boundary) and self._reduce_from_hooks()
+
+    def end_backward(self, boundary: bool) -> None:
+        self._hooks_live = False
+        if self._reduce_this_micro_step(boundary):
+            for i, unit in enumerate(self.units):  # Note: unit order, identical on every rank
+                if i not in self._reduced:
+                    self._reduce_unit(i)
+        for pending, finish in self._pending:
+            pending.wait()
+            finish()
+        self._pending.clear()
+
+    def grad_sq_norm(self) -> float:
+        """Sum of squares of this rank's owned gradients, in float64."""
+        total = torch.zeros((), dtype=torch.float64)
+        for unit in self.units:
+            total += unit.grad.double().pow(2).sum()
+        return float(total)
+
+    def set_master_grads(self, inv_scale: float) -> None:
+        """Unscale/clip the owned gradients into the fp32 masters the optimizer reads."""
+        for unit in self.units:
+            grad = unit.grad.float() if unit.grad.dtype != torch.float32 else unit.grad.clone()
+            unit.master.grad = grad.mul_(inv_scale)
+
+    def after_step(self) -> None:
+        """Make the updated shards visible as full parameters."""
+        for unit in self.units:
+            unit.write_master_to_local()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.grad.zero_()
+            unit.master.grad = None
+
+    def memory_breakdown(self) -> dict[str, int]:
+        totals = {"params": 0, "grads": 0, "master": 0}
+        for unit in self.units:
+            for kind, nbytes in unit.memory().items():
+                totals[kind] += nbytes
+        return totals
+
+    # --- stage-specific ----------------------------------------------------------------------------
+    def _reduce_this_micro_step(self, boundary: bool) -> bool:
+        return boundary
+
+    def _reduce_from_hooks(self) -> bool:
+        return self.reduce.overlap
+
+    def _launch(self, unit: FlatUnit) -> tuple[comm.Pending, callable]:
+        raise NotImplementedError
+
+    # --- gradient readiness -----------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        i = self._unit_of[param]
+        self._ready[i] = self._ready.get(i, 0) + 1
+        if self._ready[i] == self._trainable_count(i):
+            self._unit_grads_complete(i)
+
+    def _unit_grads_complete(self, i: int) -> None:
+        if self._hooks_live:
+            self._reduce_unit(i)
+
+    def _trainable_count(self, i: int) -> int:
+        return sum(1 for p in self.units[i].params if p.requires_grad)
+
+    def _reduce_unit(self, i: int) -> None:
+        assert i not in self._reduced, f"Gradient computed twice for this partition ({self.units[i].name})"
+        self._reduced.add(i)
+        pending, finish = self._launch(self.units[i])
+        if self.reduce.overlap:
+            self._pending.append((pending, finish))
+        else:
+            pending.wait()
+            finish()
+
+    def _comm_input(self, flat: torch.Tensor) -> torch.Tensor:
+        flat = flat if flat.dtype == self.reduce.comm_dtype else flat.to(self.reduce.comm_dtype)
+        return flat.mul_(self.reduce.pre_factor) if self.reduce.pre_factor != 1.0 else flat
+
+
+class Stage0(ZeroStrategy):
+    """Plain data parallelism (the oracle): full replicas, bucketed all-reduce at the boundary."""
+
+    stage = 0
+    sharded_grads = False
+
+    def __init__(self, units, reduce, stats):
+        super().__init__(units, reduce, stats)
+        _attach_grad_views(units, [u.grad for u in units])
+
+    def begin_backward(self, boundary: bool) -> None:
+        _attach_grad_views(self.units, [u.grad for u in self.units])
+        super().begin_backward(boundary)
+
+    def _launch(self, unit):
+        buf = self._comm_input(unit.grad if unit.grad.dtype == self.reduce.comm_dtype else unit.grad.clone())
+        pending = comm.all_reduce(buf, self.stats, async_op=self.reduce.overlap)
+
+        def finish():
+            if buf.data_ptr() != unit.grad.data_ptr():
+                unit.grad.copy_(buf)
+            if self.reduce.post_factor != 1.0:
+                unit.grad.mul_(self.reduce.post_factor)
+        return pending, finish
+
+
+class Stage1(ZeroStrategy):
+    """Optimizer states partitioned: full gradients accumulate locally, then one reduce-scatter
+    per bucket at the boundary; updated shards are all-gathered after the step."""
+
+    stage = 1
+
+    def __init__(self, units, reduce, stats):
+        super().__init__(units, reduce, stats)
+        self.full_grads = [torch.zeros_like(u.full) for u in units]
+        _attach_grad_views(units, self.full_grads)
+        for unit, full in zip(units, self.full_grads):
+            if unit.grad.dtype == full.dtype:  # keep the reduced shard inside the full buffer: no extra copy
+                lo, hi = unit.layout.shard_range(unit.rank)
+                unit.grad = full[lo:hi]
+
+    def begin_backward(self, boundary: bool) -> None:
+        _attach_grad_views(self.units, self.full_grads)
+        super().begin_backward(boundary)
+
+    def _launch(self, unit):
+        i = self.units.index(unit)
+        src = self._comm_input(self.full_grads[i].clone())
+        out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
+        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
+        return pending, lambda: unit.grad.copy_(out.mul_(self.reduce.post_factor))
+
+    def after_step(self) -> None:
+        super().after_step()
+        _gather_all(self.units, self.stats)
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for g in self.full_grads:
+            g.zero_()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        totals = super().memory_breakdown()
+        for unit, full in zip(self.units, self.full_grads):
+            shared = unit.grad.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            totals["grads"] += full.numel() * full.element_size() - (unit.grad.numel() * unit.grad.element_size() if shared else 0)
+        return totals
+
+
+class Stage2(ZeroStrategy):
+    """Optimizer states and gradients partitioned: each bucket is reduce-scattered from the
+    backward hooks on every micro-step and accumulated into the owned gradient shard."""
+
+    stage = 2
+
+    def _reduce_this_micro_step(self, boundary: bool) -> bool:
+        return True
+
+    def _reduce_from_hooks(self) -> bool:
+        return True
+
+    def _launch(self, unit):
+        src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype))
+        unit.drop_param_grads()  # the full gradient is not kept: that is stage 2's saving
+        out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
+        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
+        return pending, lambda: unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
+
+    def after_step(self) -> None:
+        super().after_step()
+        _gather_all(self.units, self.stats)
+
+
+def _attach_grad_views(units: list[FlatUnit], buffers: list[torch.Tensor]) -> None:
+    """Point every ``param.grad`` into its unit's flat gradient buffer, so autograd accumulates
+    in place and the boundary reduction needs no flattening copy."""
+    for unit, buf in zip(units, buffers):
+        for slot, p in zip(unit.layout.slots, unit.params):
+            view = buf[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+
+def _gather_all(units: list[FlatUnit], stats: comm.CommStats) -> None:
+    """All-gather every unit's updated shard into its full buffer."""
+    for unit in units:
+        comm.all_gather(unit.full, unit.local.clone(), stats)
