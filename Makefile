@@ -12,7 +12,7 @@ export RAY_AUTH_MODE ?= disabled
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet $(PIP_C) -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet $(PIP_C) -e '.[test,peers]'
 	touch $@
 
 venv: $(VENV)/.installed

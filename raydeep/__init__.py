@@ -2,7 +2,7 @@
 
 Change ``import deepspeed`` to ``import raydeep as deepspeed`` and keep your ds_config.json.
 """
-from raydeep import zero
+from raydeep import comm, zero
 from raydeep.config import ConfigError, RaydeepConfig, load_config
 from raydeep.engine import Engine, add_config_arguments, init_distributed, initialize
 

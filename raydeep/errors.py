@@ -10,6 +10,20 @@ from typing import Any
 _MISSING = object()
 
 
+def key_part(name: str) -> str:
+    """One segment of a dotted key, made visible when it is empty or blank.
+
+    >>> key_part("stage"), key_part("")
+    ('stage', "'' (empty key)")
+    """
+    return name if name.strip() else f"{name!r} (empty key)"
+
+
+def dotted_key(path: str) -> str:
+    """A dotted config key with every empty segment made visible (``"a."`` -> ``"a.'' (empty key)"``)."""
+    return ".".join(key_part(part) for part in path.split("."))
+
+
 class RaydeepError(Exception):
     """Base class of raydeep's own errors."""
 
@@ -23,6 +37,8 @@ class ConfigError(RaydeepError, ValueError):
     """
 
     def __init__(self, key: str, message: str, *, value: Any = _MISSING, fix: str | None = None):
+        # An empty key would print as ": message", which names nothing the user can search for.
+        key = key_part(key) if isinstance(key, str) else key
         self.key, self.message, self.fix = key, message, fix
         self.value = None if value is _MISSING else value
         head = key if value is _MISSING else f"{key} = {value!r}"
@@ -37,7 +53,7 @@ class ConfigErrors(ConfigError):
 
     def __init__(self, errors: list[ConfigError]):
         self.errors = errors
-        keys = ", ".join(e.key for e in errors)
+        keys = ", ".join(dict.fromkeys(e.key for e in errors))  # a union can fail twice at one key
         RaydeepError.__init__(self, "\n".join(str(e) for e in errors))
         self.key, self.message, self.fix, self.value = keys, str(self), None, None
 

@@ -19,7 +19,7 @@ from raydeep.config.loading import AUTO, apply_overrides, drop_auto, find_auto, 
 from raydeep.config.model import BATCH_KEYS, UNSUPPORTED, RaydeepConfig
 from raydeep.config.rules import check_rules
 from raydeep.config.zero import DEPRECATED_ZERO_KEYS, ZeroConfig, field_spellings
-from raydeep.errors import ConfigError, ConfigErrors
+from raydeep.errors import ConfigError, ConfigErrors, key_part
 
 __all__ = ["BatchPlan", "ConfigError", "RaydeepConfig", "load_config", "read_config"]
 
@@ -158,12 +158,17 @@ def _validate(data: dict) -> RaydeepConfig:
     except ValidationError as exc:
         errors = []
         for err in exc.errors(include_url=False):
-            key = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal[")))
-            key = key.split(".[")[0] or "config"
+            key = ".".join(key_part(str(p)) for p in err["loc"] if not _is_union_tag(p)) or "config"
             msg = err["msg"].removeprefix("Value error, ")
             errors.append(ConfigError(key, msg, value=err.get("input"), fix=_fix_for(err)))
         _raise(errors)
         raise  # pragma: no cover - _raise always raises for a non-empty list
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names the union member (or validator) that failed, e.g. "list[str]" or
+    # "function-before[...]"; those are its internals, not keys the user wrote.
+    return isinstance(part, str) and ("[" in part or part.startswith("function-"))
 
 
 def _fix_for(err: dict) -> str:

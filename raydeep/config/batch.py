@@ -30,6 +30,9 @@ class BatchPlan:
     world_size: int
 
 
+MICRO, GRAD_ACC = "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
 def derive_batch(train_batch: int | None, micro: int | None, grad_acc: int | None, world_size: int) -> BatchPlan:
     """DeepSpeed's ``_set_batch_related_parameters`` followed by ``_batch_assertion``.
 
@@ -37,11 +40,14 @@ def derive_batch(train_batch: int | None, micro: int | None, grad_acc: int | Non
     BatchPlan(train_batch_size=32, micro_batch=4, grad_accum=4, world_size=2)
     """
     B, m, g, W = train_batch, micro, grad_acc, world_size
+    given = {key for key, v in ((MICRO, m), (GRAD_ACC, g)) if v is not None}
     if B is not None and m is not None and g is not None:
         pass
     elif B is not None and m is not None:
+        _refuse_zero_divisor(B, MICRO, m)
         g = (B // m) // W
     elif B is not None and g is not None:
+        _refuse_zero_divisor(B, GRAD_ACC, g)
         m = (B // W) // g
     elif m is not None and g is not None:
         B = m * g * W
@@ -52,21 +58,39 @@ def derive_batch(train_batch: int | None, micro: int | None, grad_acc: int | Non
     else:
         raise ConfigError("train_batch_size", "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
                           fix="set train_micro_batch_size_per_gpu (and optionally gradient_accumulation_steps)")
-    _assert_batch(B, m, g, W)
+    _assert_batch(B, m, g, W, given)
     return BatchPlan(B, m, g, W)
 
 
-def _assert_batch(B: int, m: int, g: int, W: int) -> None:
+def _refuse_zero_divisor(B: int, key: str, value: int) -> None:
+    # DeepSpeed divides by the given key before its checks and dies with ZeroDivisionError on a
+    # zero; fail the check it would have reached instead, batch size first as in its order.
+    if value == 0:
+        _check_train_batch(B, fix="make every batch key a positive integer")
+        _check_positive(key, 0, given=True, fix="")
+
+
+def _check_train_batch(B: int, fix: str) -> None:
     if B <= 0:
-        fix = (f"use at least micro_batch * world_size = {m * W} for world size {W}" if m > 0 and g > 0
-               else "make every batch key a positive integer")
         raise ConfigError("train_batch_size", f"Train batch size: {B} has to be greater than 0", value=B, fix=fix)
-    if m <= 0:
-        raise ConfigError("train_micro_batch_size_per_gpu", f"Micro batch size per gpu: {m} has to be greater than 0",
-                          value=m, fix=f"train_batch_size must be at least gradient_accumulation_steps * world_size = {max(g, 1) * W}")
-    if g <= 0:
-        raise ConfigError("gradient_accumulation_steps", f"Gradient accumulation steps: {g} has to be greater than 0",
-                          value=g, fix=f"train_batch_size must be at least micro_batch * world_size = {m * W}")
+
+
+def _check_positive(key: str, value: int, *, given: bool, fix: str) -> None:
+    # A value the user wrote is fixed at its key; a derived one by giving a larger train_batch_size.
+    if value <= 0:
+        label = "Micro batch size per gpu" if key == MICRO else "Gradient accumulation steps"
+        raise ConfigError(key, f"{label}: {value} has to be greater than 0", value=value,
+                          fix=f"set {key} to a positive integer" if given else fix)
+
+
+def _assert_batch(B: int, m: int, g: int, W: int, given: set[str] | frozenset[str] = frozenset()) -> None:
+    _check_train_batch(B, fix=f"use at least micro_batch * world_size = {m * W} for world size {W}" if m > 0 and g > 0
+                       else "make every batch key a positive integer")
+    _check_positive(MICRO, m, given=MICRO in given,
+                    fix=f"train_batch_size must be at least gradient_accumulation_steps * world_size = {g * W}" if g > 0
+                    else f"set {GRAD_ACC} to a positive integer")
+    _check_positive(GRAD_ACC, g, given=GRAD_ACC in given,
+                    fix=f"train_batch_size must be at least micro_batch * world_size = {m * W}")
     if B != m * g * W:
         raise ConfigError(
             "train_batch_size",
@@ -149,21 +173,28 @@ def elastic_plan(section, world_size: int) -> BatchPlan:
 
 def _compatible_v02(section, world_size: int) -> tuple[int, list[int]]:
     per_node, mp = section.num_gpus_per_node, section.model_parallel_size
-    if per_node % mp:
-        raise ElasticityError("elasticity.model_parallel_size", f"In Elasticity v0.2, number of GPUs per node:"
-                              f"{per_node} should be divisible by model parallel size {mp}", value=mp,
-                              fix="choose a model_parallel_size that divides num_gpus_per_node")
-    dp_per_node = per_node // mp
-    batch, valid_nodes = _compatible_v01(list(section.micro_batch_sizes), int(section.max_train_batch_size / dp_per_node),
+    if mp > 1:
+        # v0.2 counts data-parallel ranks as GPUs / model_parallel_size; raydeep has no model
+        # parallelism, so every worker is a data-parallel rank and only 1 describes it.
+        raise ConfigError("elasticity.model_parallel_size", "model parallelism is not supported by raydeep "
+                          "(every worker is a data-parallel rank)", value=mp, fix="set it to 1 or remove it")
+    batch, valid_nodes = _compatible_v01(list(section.micro_batch_sizes), int(section.max_train_batch_size / per_node),
                                          int(section.min_gpus / per_node), int(section.max_gpus / per_node),
                                          section.prefer_larger_batch)
-    batch *= dp_per_node
-    valid = [n * dp_per_node for n in valid_nodes]
-    if world_size // mp in valid:
+    batch *= per_node
+    valid = [n * per_node for n in valid_nodes]
+    if world_size in valid:
         return batch, valid
     # The current size is not in the list: DeepSpeed falls back to the largest (or smallest)
-    # batch the current size can run, valid for this size only.
-    dp = int((world_size / per_node) * dp_per_node)
+    # batch the current size can run, valid for this size only. Its data-parallel size,
+    # (W / per_node) * (per_node / mp), is W itself once mp is 1; using W directly also avoids the
+    # float product truncating to W - 1 (1 / 49 * 49 < 1) and so dividing by zero below.
+    dp = world_size
     options = [math.floor(section.max_train_batch_size / float(mb * dp)) * mb * dp for mb in section.micro_batch_sizes]
     batch = int(max(options) if section.prefer_larger_batch else min(options))
+    if batch <= 0:
+        raise ElasticityError("elasticity.max_train_batch_size", f"no batch fits at world size {world_size}: the "
+                              f"smallest is {min(section.micro_batch_sizes) * dp} (micro batch * world size)",
+                              value=section.max_train_batch_size,
+                              fix=f"raise it to at least {min(section.micro_batch_sizes) * dp} or run with fewer workers")
     return batch, [dp]

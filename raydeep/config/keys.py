@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from raydeep.errors import ConfigError
+from raydeep.errors import ConfigError, key_part
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
@@ -40,6 +40,11 @@ def spellings(model: type[BaseModel]) -> dict[str, str]:
 
 def suggest(key: str, candidates: list[str]) -> str | None:
     """The closest candidate to ``key``, or None when nothing is close."""
+    if not key.strip():
+        return None  # a blank key is "contained" in every candidate, so any guess would be noise
+    same = [c for c in candidates if c.lower() == key.lower()]  # names are case-sensitive; say so first
+    if same:
+        return same[0]
     match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not match:  # also catch prefix/suffix slips such as "max_live_parameters" vs "stage3_..."
         match = [c for c in candidates if key in c or c in key][:1]
@@ -63,7 +68,7 @@ def check_keys(data: dict, model: type[BaseModel], prefix: str = "",
         if key in skip:
             continue
         if key not in names:
-            errors.append(unknown_key_error(prefix + key, key, list(names), where))
+            errors.append(unknown_key_error(prefix + key_part(key), key, list(names), where))
             continue
         sub = _section_type(model.model_fields[names[key]].annotation)
         if sub is not None and isinstance(value, dict):

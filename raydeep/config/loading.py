@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import copy
 import json
 import os
@@ -16,7 +17,7 @@ from typing import Any
 
 import hjson
 
-from raydeep.errors import ConfigError
+from raydeep.errors import ConfigError, dotted_key, key_part
 
 AUTO = "auto"
 
@@ -71,8 +72,7 @@ def read_config(source: Any) -> dict:
         raise ConfigError("config", f"must be a dict, a path, JSON text or base64, not {type(source).__name__}",
                           fix="pass the ds_config dict or the path of ds_config.json")
     if os.path.isfile(source):
-        with open(source, encoding="utf-8") as fh:
-            return _require_object(_parse_text(fh.read(), source), source)
+        return _require_object(_parse_text(_read_text(source), source), source)
     stripped = source.strip()
     if stripped.startswith("{"):
         return _require_object(_parse_text(stripped, "config"), "config")
@@ -89,6 +89,20 @@ def read_config(source: Any) -> dict:
     )
 
 
+def _read_text(path: str) -> str:
+    """A config file's text: UTF-8 (a BOM allowed), or UTF-16 when it starts with a UTF-16 BOM."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    # Windows PowerShell's `>` writes UTF-16 with a BOM and Notepad may add a UTF-8 BOM; both are
+    # unambiguous. Anything else that is not UTF-8 (Latin-1, ...) would only be a guess.
+    encoding = "utf-16" if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "utf-8-sig"
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, f"is not {encoding.replace('-sig', '').upper()} text ({exc.reason} at byte {exc.start})",
+                          fix="save the file as UTF-8") from None
+
+
 def _require_object(data: Any, origin: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(origin, f"must hold a JSON object at the top level, found {type(data).__name__}",
@@ -103,12 +117,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     ('zero_optimization.stage', 3)
     """
     if "=" not in text:
-        raise ConfigError(text, "an override must look like dotted.key=VALUE",
+        raise ConfigError(dotted_key(text), "an override must look like dotted.key=VALUE",
                           fix="e.g. --set train_micro_batch_size_per_gpu=4")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
-        raise ConfigError(text, "an override needs a key before '='", fix="e.g. --set optimizer.params.lr=3e-4")
+        raise ConfigError(dotted_key(key), "an override needs a key before '='", value=text,
+                          fix="e.g. --set optimizer.params.lr=3e-4")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
@@ -131,7 +146,7 @@ def apply_overrides(data: dict, overrides: Mapping[str, Any] | Iterable[str] | N
                 child = {} if child is None else {"stage": int(child)} if part == "zero_optimization" else {}
                 node[part] = child
             if not isinstance(child, dict):
-                raise ConfigError(dotted, f"cannot set a key inside {part!r}, which holds {child!r}",
+                raise ConfigError(dotted_key(dotted), f"cannot set a key inside {part!r}, which holds {child!r}",
                                   fix=f"override {part} as a whole instead")
             node = child
         node[parts[-1]] = value
@@ -143,7 +158,7 @@ def find_auto(data: Any, prefix: str = "") -> list[str]:
     found: list[str] = []
     if isinstance(data, dict):
         for key, value in data.items():
-            found += find_auto(value, f"{prefix}{key}.")
+            found += find_auto(value, f"{prefix}{key_part(key)}.")
     elif isinstance(data, list):
         for i, value in enumerate(data):
             found += find_auto(value, f"{prefix}{i}.")

@@ -5,9 +5,10 @@ happens to them: an error ("not supported by raydeep") or, where they are harmle
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, Strict, field_validator, model_validator
 
 from raydeep.config.base import Flag, Section
 from raydeep.config.sections import (
@@ -18,6 +19,22 @@ from raydeep.config.sections import (
 from raydeep.config.zero import ZeroConfig
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _whole_batch(value: Any) -> Any:
+    # Python's int() would read true as 1 and "8" as 8, hiding a typo in the batch arithmetic;
+    # only a whole float (8.0, as some generators write it) is taken as the integer it spells.
+    if isinstance(value, bool):
+        raise ValueError("must be an integer, not a boolean")
+    if isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError("must be a whole number")
+        return int(value)
+    return value
+
+
+# A batch key: a strict integer (range checks are DeepSpeed's, in derive_batch, with its messages).
+BatchInt = Annotated[int, Strict(), BeforeValidator(_whole_batch)]
 
 
 class RaydeepConfig(Section):
@@ -31,9 +48,9 @@ class RaydeepConfig(Section):
     (4, 0)
     """
 
-    train_batch_size: int | None = None
-    train_micro_batch_size_per_gpu: int | None = None
-    gradient_accumulation_steps: int | None = None
+    train_batch_size: BatchInt | None = None
+    train_micro_batch_size_per_gpu: BatchInt | None = None
+    gradient_accumulation_steps: BatchInt | None = None
     managed_gradient_accumulation: Flag = True
     steps_per_print: int | None = Field(None, ge=1)
     wall_clock_breakdown: Flag = False

@@ -7,7 +7,7 @@ so a user sees every problem at once.
 from __future__ import annotations
 
 from raydeep.config.model import RaydeepConfig
-from raydeep.errors import ConfigError
+from raydeep.errors import ConfigError, ConfigErrors, dotted_key, key_part
 
 ONEBIT_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
 
@@ -177,18 +177,16 @@ def _scheduler_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
         return
     import inspect
 
-    import torch.optim.lr_scheduler as torch_schedulers
-
     from raydeep.config.keys import suggest
     from raydeep.optim import schedulers
 
     name, params = cfg.scheduler.type, cfg.scheduler.params
-    cls = getattr(schedulers, name, None) if name in schedulers.SCHEDULER_NAMES else getattr(torch_schedulers, name, None)
-    if not isinstance(cls, type):
-        valid = list(schedulers.SCHEDULER_NAMES)
-        guess = suggest(name, valid)
-        errors.append(ConfigError("scheduler.type", f"DeepSpeed does not recognize LR scheduler {name}", value=name,
-                                  fix=f"did you mean {guess!r}?" if guess else f"use one of {valid} or a torch.optim.lr_scheduler class"))
+    try:
+        # The scheduler factory's own lookup, so a name passes here exactly when it builds later
+        # (torch's module also exports non-schedulers such as Optimizer and LRScheduler itself).
+        cls = schedulers.resolve_scheduler_class(name)
+    except ValueError:
+        errors.append(_unknown_scheduler(name))
         return
     for key in schedulers.required_params(name):
         if key not in params:
@@ -197,8 +195,42 @@ def _scheduler_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     for key in params:
         if key not in accepted:
             guess = suggest(key, accepted)
-            errors.append(ConfigError(f"scheduler.params.{key}", f"unknown parameter of {name}",
+            errors.append(ConfigError(f"scheduler.params.{key_part(key)}", f"unknown parameter of {name}",
                                       fix=f"did you mean {guess!r}?" if guess else f"valid parameters: {', '.join(accepted)}"))
+
+
+def _unknown_scheduler(name: str) -> ConfigError:
+    import torch.optim.lr_scheduler as torch_schedulers
+
+    from raydeep.config.keys import suggest
+    from raydeep.optim.schedulers import SCHEDULER_NAMES
+
+    valid = f"use one of {list(SCHEDULER_NAMES)} or a torch.optim.lr_scheduler scheduler class such as StepLR"
+    if isinstance(getattr(torch_schedulers, name, None), type):
+        # An exact name of a base class or helper (LRScheduler, Optimizer, Counter): a look-alike
+        # guess would only mislead, so say what it is instead.
+        return ConfigError("scheduler.type", f"torch.optim.lr_scheduler.{name} is not a learning-rate scheduler "
+                           "(it is a base class or helper)", value=name, fix=valid)
+    guess = suggest(name, _scheduler_names())
+    return ConfigError("scheduler.type", f"DeepSpeed does not recognize LR scheduler {name}", value=name,
+                       fix=f"did you mean {guess!r}?" if guess else valid)
+
+
+def _scheduler_names() -> list[str]:
+    """Every name ``scheduler.type`` accepts: DeepSpeed's schedulers, then torch's scheduler classes."""
+    import torch.optim.lr_scheduler as torch_schedulers
+
+    from raydeep.optim.schedulers import SCHEDULER_NAMES, resolve_scheduler_class
+
+    names = list(SCHEDULER_NAMES)
+    for candidate in sorted(vars(torch_schedulers)):
+        try:
+            resolve_scheduler_class(candidate)
+        except ValueError:
+            continue
+        if candidate not in names:
+            names.append(candidate)
+    return names
 
 
 def _advice(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
@@ -220,6 +252,10 @@ def _advice(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
 
 def _as_config_error(exc: ValueError, default_key: str, value) -> ConfigError:
     if isinstance(exc, ConfigError):
+        # An empty parameter name leaves a trailing "." ("optimizer.params."): make it visible.
+        if exc.key != dotted_key(exc.key) and not isinstance(exc, ConfigErrors):
+            shown = {} if exc.value is None else {"value": exc.value}
+            return ConfigError(dotted_key(exc.key), exc.message, fix=exc.fix, **shown)
         return exc
     key = getattr(exc, "key", None) or default_key
-    return ConfigError(key, str(exc), value=value)
+    return ConfigError(dotted_key(key), str(exc), value=value)

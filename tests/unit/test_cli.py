@@ -5,6 +5,7 @@ a traceback is a bug. Commands run in-process through ``raydeep.cli.main``.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import subprocess
@@ -152,6 +153,8 @@ def test_set_overrides_a_file_value(tmp_path, capsys):
     ("train_micro_batch_size_per_gpu", "dotted.key=VALUE"),
     ("=4", "needs a key"),
     ("optimizer.type.name=1", "cannot set a key inside"),
+    ("", "'' (empty key): an override must look like dotted.key=VALUE"),
+    ("zero_optimization.=1", "zero_optimization.'' (empty key): unknown key"),
 ])
 def test_bad_set(tmp_path, capsys, item, needle):
     path = write(tmp_path, json.dumps(VALID))
@@ -242,12 +245,22 @@ def test_estimate_rejects_bad_parameter_counts(capsys, params):
     assert "not a positive whole number" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
-                   reason="raydeep bug: read_config lets UnicodeDecodeError escape for a non-UTF-8 file")
-@pytest.mark.parametrize("encoding", ["utf-16", "latin-1"])
-def test_non_utf8_file_is_a_user_error(tmp_path, capsys, encoding):
-    # Windows PowerShell's `>` writes UTF-16; old editors save Latin-1.
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-be"])
+def test_utf16_and_utf8_bom_files_are_read(tmp_path, capsys, encoding):
+    # Windows PowerShell's `>` writes UTF-16 with a BOM; Notepad may put a BOM before UTF-8.
     path = tmp_path / "ds_config.json"
-    path.write_bytes('{"train_batch_size": 8, "wandb": {"project": "café"}}'.encode(encoding))
+    text = '{"train_batch_size": 8, "wandb": {"project": "café"}}'
+    path.write_bytes((codecs.BOM_UTF16_BE if encoding == "utf-16-be" else b"") + text.encode(encoding))
+    code, out, err = run(capsys, "config", "check", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["wandb"]["project"] == "café"
+
+
+@pytest.mark.parametrize("data", ['{"train_batch_size": 8, "wandb": {"project": "café"}}'.encode("latin-1"),
+                                  b'\xff\xfe{\x00"'])
+def test_non_utf8_file_is_a_user_error(tmp_path, capsys, data):
+    # Old editors save Latin-1; a truncated UTF-16 file does not decode either.
+    path = tmp_path / "ds_config.json"
+    path.write_bytes(data)
     code, _, err = run(capsys, "config", "check", str(path))
-    assert_user_error(code, err, str(path))
+    assert_user_error(code, err, str(path), "save the file as UTF-8")

@@ -104,6 +104,34 @@ def test_batch_checks_in_order(B, m, g, W, message):
         derive_batch(B, m, g, W)
 
 
+@pytest.mark.parametrize("data, world, key, message", [
+    ({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 0}, 4, "train_micro_batch_size_per_gpu",
+     "Micro batch size per gpu: 0 has to be greater than 0"),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 0}, 1, "gradient_accumulation_steps",
+     "Gradient accumulation steps: 0 has to be greater than 0"),
+    ({"train_batch_size": 0, "gradient_accumulation_steps": 0}, 1, "train_batch_size",
+     "Train batch size: 0 has to be greater than 0"),
+])
+def test_a_zero_divisor_fails_deepspeeds_check_instead_of_dividing(data, world, key, message):
+    err = error_of(data, world_size=world)
+    assert err.key == key and message in str(err)
+    assert key == "train_batch_size" or f"Fix: set {key} to a positive integer" in str(err)
+
+
+@pytest.mark.parametrize("value", [True, False, "8", 8.5, [8]])
+@pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
+def test_batch_keys_are_strict_integers(key, value):
+    err = error_of({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+                    key: value})
+    assert err.key == key
+
+
+def test_batch_keys_accept_whole_floats():
+    cfg = load_config({"train_batch_size": 16.0, "train_micro_batch_size_per_gpu": 4.0}, world_size=2)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (16, 2)
+    assert type(cfg.train_micro_batch_size_per_gpu) is int
+
+
 def test_triangle_through_load_config_uses_world_size():
     cfg = load_config({"train_batch_size": 64, "gradient_accumulation_steps": 4}, world_size=4)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.world_size) == (4, 4)
@@ -166,6 +194,35 @@ def test_unknown_scheduler_param_is_named():
     err = error_of({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}})
     assert err.key == "scheduler.params.warmup_num_step" and "warmup_num_steps" in str(err)
+
+
+@pytest.mark.parametrize("name", ["LRScheduler", "_LRScheduler", "Optimizer", "Counter"])
+def test_torch_helpers_are_not_schedulers(name):
+    err = error_of({**BASE, "scheduler": {"type": name, "params": {}}})
+    assert err.key == "scheduler.type" and "not a learning-rate scheduler" in str(err)
+
+
+@pytest.mark.parametrize("name, guess", [("WarmupLr", "WarmupLR"), ("steplr", "StepLR"), ("CosineAnnealingLr", "CosineAnnealingLR")])
+def test_unknown_scheduler_gets_did_you_mean(name, guess):
+    err = error_of({**BASE, "scheduler": {"type": name, "params": {}}})
+    assert err.key == "scheduler.type" and f"did you mean {guess!r}" in str(err)
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"": 1}, "'' (empty key)"),
+    ({"zero_optimization": {"": 1}}, "zero_optimization.'' (empty key)"),
+    ({"optimizer": {"type": "AdamW", "params": {"": 1}}}, "optimizer.params.'' (empty key)"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"": 1}}}, "scheduler.params.'' (empty key)"),
+])
+def test_empty_keys_are_named_readably(data, key):
+    err = error_of({**BASE, **data})
+    assert err.key == key and str(err).startswith(key) and "did you mean" not in str(err)
+
+
+def test_union_member_tags_are_not_part_of_the_key():
+    err = error_of({**BASE, "raydeep": {"partition_units": [1]}})
+    assert err.key == "raydeep.partition_units, raydeep.partition_units.0"
+    assert "list[" not in str(err)
 
 
 @pytest.mark.parametrize("key", ["amp", "pipeline", "compression_training", "torch_autocast"])
@@ -335,3 +392,25 @@ def test_elasticity_refuses_batch_keys_unless_ignored():
     assert "will not be used" in str(error_of(data))
     data["elasticity"]["ignore_non_elastic_batch_info"] = True
     assert load_config(data, world_size=2).train_batch_size % 2 == 0
+
+
+
+def test_elasticity_v02_refuses_model_parallelism():
+    data = {"elasticity": {"enabled": True, "max_train_batch_size": 1024, "micro_batch_sizes": [4, 8],
+                           "num_gpus_per_node": 8, "model_parallel_size": 2, "version": 0.2}}
+    err = error_of(data, world_size=1)
+    assert err.key == "elasticity.model_parallel_size" and "not supported by raydeep" in str(err)
+
+
+def test_elasticity_v02_fallback_below_one_node():
+    # DeepSpeed's float data-parallel size, (1 / 49) * 49, truncates to 0; raydeep uses the world size.
+    data = {"elasticity": {"enabled": True, "max_train_batch_size": 1024, "micro_batch_sizes": [4, 8],
+                           "num_gpus_per_node": 49, "version": 0.2}}
+    cfg = load_config(data, world_size=1)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (1024, 8, 128)
+
+
+def test_elasticity_v02_fallback_with_no_batch_that_fits():
+    data = {"elasticity": {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [4], "version": 0.2}}
+    err = error_of(data, world_size=4)
+    assert err.key == "elasticity.max_train_batch_size" and "at least 16" in str(err)

@@ -284,35 +284,32 @@ def test_cli_exit_codes_on_mutated_files(capsys, tmp_path_factory, case, use_jso
         assert type(resolved["train_batch_size"]) is int
 
 
-def _known_bug(exc: type[BaseException], reason: str):
-    # strict: once raydeep is fixed the case passes, XPASS fails the run, and the mark must go.
-    return pytest.mark.xfail(strict=True, raises=exc, reason=f"raydeep bug: {reason}")
-
-
-# Inputs the search above found (or that sit next to them) which still escape as a non-ConfigError.
+# Inputs the search above found (or that sit next to them) which once escaped as a non-ConfigError
+# or as a ConfigError with an empty key: pinned so they stay user errors.
 KNOWN_CRASHES = [
-    pytest.param({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 0}, 4,
-                 marks=_known_bug(ZeroDivisionError, "derive_batch divides by a zero micro batch"),
-                 id="micro-batch-0"),
-    pytest.param({"train_batch_size": 8, "gradient_accumulation_steps": 0}, 1,
-                 marks=_known_bug(ZeroDivisionError, "derive_batch divides by zero accumulation steps"),
-                 id="grad-accum-0"),
-    pytest.param({"train_batch_size": 4096, "train_micro_batch_size_per_gpu": False}, 1,
-                 marks=_known_bug(ZeroDivisionError, "false is read as micro batch 0"),
-                 id="micro-batch-false"),
+    pytest.param({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 0}, 4, id="micro-batch-0"),
+    pytest.param({"train_batch_size": 8, "gradient_accumulation_steps": 0}, 1, id="grad-accum-0"),
+    pytest.param({"train_batch_size": 4096, "train_micro_batch_size_per_gpu": False}, 1, id="micro-batch-false"),
+    pytest.param({"train_batch_size": 65536, "train_micro_batch_size_per_gpu": 0.0}, 64, id="micro-batch-0.0"),
     pytest.param({"train_batch_size": 8, "scheduler": {"type": "LRScheduler", "params": {}}}, 1,
-                 marks=_known_bug(ValueError, "required_params raises a plain ValueError"),
                  id="scheduler-LRScheduler"),
     pytest.param({"train_batch_size": 8, "scheduler": {"type": "Optimizer", "params": {}}}, 1,
-                 marks=_known_bug(ValueError, "required_params raises a plain ValueError"),
                  id="scheduler-Optimizer"),
     pytest.param({"elasticity": {"enabled": True, "max_train_batch_size": 1024, "micro_batch_sizes": [4, 8],
                                  "num_gpus_per_node": 8, "model_parallel_size": 2, "version": 0.2}}, 1,
-                 marks=_known_bug(ZeroDivisionError, "v0.2 fallback divides by a zero data-parallel size"),
                  id="elasticity-v02-dp0"),
-    pytest.param({"": 1, "train_batch_size": 8}, 1,
-                 marks=_known_bug(AssertionError, "an empty key gives ConfigError.key == ''"),
-                 id="empty-key"),
+    pytest.param({"elasticity": {"enabled": True, "max_train_batch_size": 1024, "micro_batch_sizes": [4, 8],
+                                 "num_gpus_per_node": 49, "version": 0.2}}, 1,
+                 id="elasticity-v02-float-dp"),
+    pytest.param({"elasticity": {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [4],
+                                 "version": 0.2}}, 4,
+                 id="elasticity-v02-batch-0"),
+    pytest.param({"": 1, "train_batch_size": 8}, 1, id="empty-key"),
+    pytest.param({"train_batch_size": 8, "zero_optimization": {"": 1}}, 1, id="empty-nested-key"),
+    pytest.param({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"": 1}}}, 1,
+                 id="empty-optimizer-param"),
+    pytest.param({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {"": 1}}}, 1,
+                 id="empty-scheduler-param"),
 ]
 
 

@@ -1,0 +1,93 @@
+"""Training workloads shared by the distributed tests: the engine on the tiny GPT and the
+single-process PyTorch reference it must match."""
+from __future__ import annotations
+
+import torch
+
+SEQ = 32
+
+
+def tiny_gpt():
+    from raydeep.models import build_gpt
+
+    torch.manual_seed(0)
+    return build_gpt("gpt-tiny", block_size=SEQ, n_layer=2, n_embd=64, n_head=4)
+
+
+def global_batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (batch, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def config(stage: int, gas: int, micro: int, clip: float, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20000,
+                                 "stage3_param_persistence_threshold": 100}}
+    for key, value in extra.items():
+        cfg[key] = value
+    return cfg
+
+
+def train_engine(cfg: dict, steps: int, global_batch: int, warmup_steps: int = 0) -> dict:
+    """Train with raydeep on this rank; returns losses and the full fp32 parameters."""
+    import raydeep
+    from raydeep import comm
+    from raydeep.zero import GatheredParameters
+
+    model = tiny_gpt()
+    engine, *_ = raydeep.initialize(model=model, config=cfg)
+    rank, world = comm.rank(), comm.world_size()
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    losses = []
+    for step, batch in enumerate(global_batches(steps, global_batch)):
+        if step == warmup_steps and warmup_steps:
+            engine.reset_comm_stats()  # measure steady state: the stage-3 trace is recorded by now
+        step_loss = 0.0
+        for k in range(gas):
+            # micro-step k of rank r takes a fixed slice of the global batch
+            lo = (k * world + rank) * micro
+            x = batch[lo:lo + micro]
+            loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / gas
+        losses.append(comm.all_reduce_scalar(step_loss, "sum") / world)
+    comm_stats = engine.comm_stats()
+    params = list(model.parameters())
+    with GatheredParameters(params):
+        full = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": full, "memory": engine.memory_breakdown(), "comm": comm_stats,
+            "numel": sum(p.numel() for p in params), "grad_norm": engine.get_global_grad_norm()}
+
+
+def train_reference(steps: int, global_batch: int, clip: float) -> dict:
+    """Plain single-process PyTorch with the same global batch: the oracle."""
+    torch.set_num_threads(1)
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    losses = []
+    for batch in global_batches(steps, global_batch):
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        if clip > 0:  # DeepSpeed's formula: float64 global norm, grads divided by (norm + 1e-6) / clip
+            norm = sum(p.grad.double().pow(2).sum() for p in model.parameters()).sqrt().item()
+            combined = (norm + 1e-6) / clip
+            if combined > 1:
+                for p in model.parameters():
+                    p.grad.mul_(1.0 / combined)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def sweep(combos: list[tuple[int, int, float]], steps: int, micro: int) -> dict:
+    """Run ``train_engine`` for each (stage, gas, clip) on this rank; keyed by the combo."""
+    from raydeep import comm
+
+    out = {}
+    for stage, gas, clip in combos:
+        global_batch = micro * gas * comm.world_size()
+        out[(stage, gas, clip)] = train_engine(config(stage, gas, micro, clip), steps, global_batch)
+    return out
