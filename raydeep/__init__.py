@@ -8,5 +8,5 @@ from raydeep.engine import Engine, add_config_arguments, init_distributed, initi
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "Engine", "RaydeepConfig", "__version__", "add_config_arguments", "init_distributed",
+__all__ = ["ConfigError", "Engine", "comm", "RaydeepConfig", "__version__", "add_config_arguments", "init_distributed",
            "initialize", "load_config", "zero"]

@@ -169,9 +169,9 @@ class Stage3(Stage2):
             self.trace_complete = True
         self.position = 0
 
-    def _launch(self, unit: FlatUnit):
-        i = self.units.index(unit)
-        result = super()._launch(unit)
+    def _launch(self, i: int):
+        unit = self.units[i]
+        result = super()._launch(i)
         if i not in self.persistent and unit.gathered and unit.pending is None:
             unit.free_full()  # its backward is done: every gradient of the unit has arrived
         return result

@@ -57,6 +57,8 @@ class ZeroStrategy:
         self._pending: list[tuple[comm.Pending, callable]] = []
         self._hooks_live = False
         self._unit_of = {}
+        # Gradients a unit waits for before it is reduced (computed once: the hooks are a hot path).
+        self._expected = [sum(1 for p in unit.params if p.requires_grad) for unit in units]
         for i, unit in enumerate(units):
             for p in unit.params:
                 if p.requires_grad:
@@ -117,27 +119,25 @@ class ZeroStrategy:
     def _reduce_from_hooks(self) -> bool:
         return self.reduce.overlap
 
-    def _launch(self, unit: FlatUnit) -> tuple[comm.Pending, callable]:
+    def _launch(self, i: int) -> tuple[comm.Pending, callable]:
+        """Start reducing unit ``i``'s gradients; returns the pending op and what to do after it."""
         raise NotImplementedError
 
     # --- gradient readiness -----------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         i = self._unit_of[param]
         self._ready[i] = self._ready.get(i, 0) + 1
-        if self._ready[i] == self._trainable_count(i):
+        if self._ready[i] == self._expected[i]:
             self._unit_grads_complete(i)
 
     def _unit_grads_complete(self, i: int) -> None:
         if self._hooks_live:
             self._reduce_unit(i)
 
-    def _trainable_count(self, i: int) -> int:
-        return sum(1 for p in self.units[i].params if p.requires_grad)
-
     def _reduce_unit(self, i: int) -> None:
         assert i not in self._reduced, f"Gradient computed twice for this partition ({self.units[i].name})"
         self._reduced.add(i)
-        pending, finish = self._launch(self.units[i])
+        pending, finish = self._launch(i)
         if self.reduce.overlap:
             self._pending.append((pending, finish))
         else:
@@ -163,7 +163,8 @@ class Stage0(ZeroStrategy):
         _attach_grad_views(self.units, [u.grad for u in self.units])
         super().begin_backward(boundary)
 
-    def _launch(self, unit):
+    def _launch(self, i):
+        unit = self.units[i]
         buf = self._comm_input(unit.grad if unit.grad.dtype == self.reduce.comm_dtype else unit.grad.clone())
         pending = comm.all_reduce(buf, self.stats, async_op=self.reduce.overlap)
 
@@ -194,8 +195,8 @@ class Stage1(ZeroStrategy):
         _attach_grad_views(self.units, self.full_grads)
         super().begin_backward(boundary)
 
-    def _launch(self, unit):
-        i = self.units.index(unit)
+    def _launch(self, i):
+        unit = self.units[i]
         src = self._comm_input(self.full_grads[i].clone())
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
         pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
@@ -230,7 +231,8 @@ class Stage2(ZeroStrategy):
     def _reduce_from_hooks(self) -> bool:
         return True
 
-    def _launch(self, unit):
+    def _launch(self, i):
+        unit = self.units[i]
         src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype))
         unit.drop_param_grads()  # the full gradient is not kept: that is stage 2's saving
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)

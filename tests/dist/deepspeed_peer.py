@@ -17,9 +17,8 @@ import importlib
 import os
 import warnings
 
-import torch
 
-from tests.dist.workloads import global_batches, tiny_gpt
+from tests.dist.workloads import run_steps, tiny_gpt
 
 
 def _import_deepspeed():
@@ -41,27 +40,12 @@ def train_deepspeed(cfg: dict, steps: int, global_batch: int) -> dict:
     """Train with DeepSpeed on this rank exactly as ``train_engine`` trains with raydeep: same
     model init, same slicing of each global batch, same config; per-step losses averaged over
     the ranks, and the full fp32 parameters after the last step."""
-    import torch.distributed as dist
 
     deepspeed = _import_deepspeed()
     model = tiny_gpt()
     # DeepSpeed pops keys (torch_adam, ...) from the optimizer params: give it its own copy.
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for batch in global_batches(steps, global_batch):
-        step_loss = 0.0
-        for k in range(gas):
-            lo = (k * world + rank) * micro
-            x = batch[lo:lo + micro]
-            loss = engine(x[:, :-1], x[:, 1:])
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / gas
-        total = torch.tensor([step_loss], dtype=torch.float64)
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = run_steps(engine, steps, global_batch)
     params = list(model.parameters())
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters(params):

@@ -32,12 +32,25 @@ def config(stage: int, gas: int, micro: int, clip: float, **extra) -> dict:
 def train_engine(cfg: dict, steps: int, global_batch: int, warmup_steps: int = 0) -> dict:
     """Train with raydeep on this rank; returns losses and the full fp32 parameters."""
     import raydeep
-    from raydeep import comm
     from raydeep.zero import GatheredParameters
 
     model = tiny_gpt()
     engine, *_ = raydeep.initialize(model=model, config=cfg)
-    rank, world = comm.rank(), comm.world_size()
+    losses = run_steps(engine, steps, global_batch, warmup_steps)
+    comm_stats = engine.comm_stats()
+    params = list(model.parameters())
+    with GatheredParameters(params):
+        full = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": full, "memory": engine.memory_breakdown(), "comm": comm_stats,
+            "numel": sum(p.numel() for p in params), "grad_norm": engine.get_global_grad_norm()}
+
+
+def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0) -> list[float]:
+    """The loop both raydeep and DeepSpeed run: micro-step k of rank r takes a fixed slice of
+    each global batch; returns per-step losses averaged over ranks."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses = []
     for step, batch in enumerate(global_batches(steps, global_batch)):
@@ -45,20 +58,16 @@ def train_engine(cfg: dict, steps: int, global_batch: int, warmup_steps: int = 0
             engine.reset_comm_stats()  # measure steady state: the stage-3 trace is recorded by now
         step_loss = 0.0
         for k in range(gas):
-            # micro-step k of rank r takes a fixed slice of the global batch
             lo = (k * world + rank) * micro
             x = batch[lo:lo + micro]
             loss = engine(x[:, :-1], x[:, 1:])
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / gas
-        losses.append(comm.all_reduce_scalar(step_loss, "sum") / world)
-    comm_stats = engine.comm_stats()
-    params = list(model.parameters())
-    with GatheredParameters(params):
-        full = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": full, "memory": engine.memory_breakdown(), "comm": comm_stats,
-            "numel": sum(p.numel() for p in params), "grad_norm": engine.get_global_grad_norm()}
+        total = torch.tensor([step_loss], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
 
 
 def train_reference(steps: int, global_batch: int, clip: float) -> dict:
