@@ -60,3 +60,10 @@ class ConfigErrors(ConfigError):
 
 class ElasticityError(ConfigError):
     """The current world size has no valid batch plan under the `elasticity` section."""
+
+
+class CheckpointError(RaydeepError):
+    """A checkpoint that cannot be loaded: missing, uncommitted, corrupt, or for another model.
+
+    The message names the file and, for corruption, the expected and actual digests.
+    """

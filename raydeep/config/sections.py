@@ -72,7 +72,12 @@ class SchedulerConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    """``activation_checkpointing``; which modules are wrapped is chosen in the ``raydeep`` section."""
+    """``activation_checkpointing``. Its presence turns the feature on, as in DeepSpeed: the model's
+    own ``deepspeed.checkpointing.checkpoint`` calls always work, and with the section present the
+    engine also wraps the modules chosen by ``raydeep.checkpoint_modules``
+    (``raydeep.engine.activation``). The options below are DeepSpeed's; raydeep warns for the enabled
+    ones it does not implement (tensor-parallel partitioning, CPU copies, contiguous buffers,
+    device synchronisation, profiling)."""
 
     partition_activations: Flag = False
     cpu_checkpointing: Flag = False
@@ -241,9 +246,15 @@ class RaydeepSection(Section):
     # (the field report: "a Transformer layer should be one complete partition"); otherwise a
     # list of module class names, or "param" for one unit per leaf module.
     partition_units: Literal["auto", "param"] | list[str] = "auto"
-    # Which modules activation checkpointing wraps. The field report found checkpointing only
-    # attention the best memory/compute balance, so that is the default.
+    # Which modules the engine wraps for activation checkpointing -- only when the ds_config has an
+    # "activation_checkpointing" section: "attention", "block", "none", or a list of class names.
+    # The field report found checkpointing only attention the best memory/compute balance, so that
+    # is the default.
     checkpoint_modules: Literal["none", "attention", "block"] | list[str] = "attention"
     # Ray custom resource that marks CPU nodes for the optimizer offload tier.
     offload_resource: str = "offload"
     seed: int = 1234
+    # engine.save_checkpoint writes in a background thread (training continues; the next save waits).
+    checkpoint_async: Flag = False
+    # Keep only the newest K committed checkpoints under a save_dir (None keeps all).
+    checkpoint_keep_last_k: int | None = Field(None, ge=1)

@@ -80,6 +80,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         init_distributed(distributed_port=distributed_port)
     cfg = load_config(config, world_size=comm.world_size(), overrides=overrides)
     engine = build_engine(model, cfg, model_parameters, optimizer, lr_scheduler, device=_device())
+    engine.config = cfg
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=comm.world_size(), rank=comm.rank())
         engine.training_dataloader = DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from raydeep import comm
+from raydeep.checkpoint import Checkpointer
 from raydeep.optim.clip import clip_coefficient
 
 logger = logging.getLogger("raydeep")
@@ -62,6 +63,8 @@ class Engine(nn.Module):
         self.local_rank = int(device.index or 0) if device.type == "cuda" else 0
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.training_dataloader = None
+        self.config = None  # the resolved RaydeepConfig, set by raydeep.initialize
+        self.checkpointer = Checkpointer(self)
         self._global_grad_norm: float | None = None
         self._step_applied = False
 
@@ -142,6 +145,41 @@ class Engine(nn.Module):
                         self.get_lr(), self.get_mom())
             if self.settings.comms_logger:
                 logger.info("comm: %s", self.comm_stats())
+
+    # --- checkpoints (see raydeep.checkpoint) ----------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False, async_save: bool | None = None,
+                        keep_last_k: int | None = None) -> bool:
+        """Collective: every rank writes the ranges it owns into ``<save_dir>/<tag>/``; rank 0
+        commits the manifest, then ``latest``. ``save_dir`` is a path or a pyarrow URI (s3://...).
+
+        ``async_save`` and ``keep_last_k`` default to the config's ``raydeep.checkpoint_async``
+        and ``raydeep.checkpoint_keep_last_k``.
+        """
+        if exclude_frozen_parameters:
+            logger.warning("exclude_frozen_parameters is ignored: frozen parameters are small and always saved")
+        options = self.config.raydeep if self.config is not None else None
+        if async_save is None:
+            async_save = bool(options and options.checkpoint_async)
+        if keep_last_k is None and options is not None:
+            keep_last_k = options.checkpoint_keep_last_k
+        return self.checkpointer.save(save_dir, tag, client_state, save_latest, async_save, keep_last_k)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
+        """Collective: restore from ``<load_dir>/<tag or latest>`` at any world size and stage.
+        Returns ``(load_path, client_state)``, or ``(None, None)`` when there is no ``latest``."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("custom_load_fn is not supported by raydeep")
+        return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous save is committed (the next save and ``destroy()`` also wait)."""
+        self.checkpointer.wait()
+
+    def destroy(self) -> None:
+        self.checkpointer.wait()
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------
     def train(self, mode: bool = True):

@@ -45,15 +45,18 @@ def train_engine(cfg: dict, steps: int, global_batch: int, warmup_steps: int = 0
             "numel": sum(p.numel() for p in params), "grad_norm": engine.get_global_grad_norm()}
 
 
-def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0) -> list[float]:
+def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip: int = 0) -> list[float]:
     """The loop both raydeep and DeepSpeed run: micro-step k of rank r takes a fixed slice of
-    each global batch; returns per-step losses averaged over ranks."""
+    each global batch; returns per-step losses averaged over ranks. ``skip`` starts at that
+    global batch (a resumed run continues the same data stream)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses = []
     for step, batch in enumerate(global_batches(steps, global_batch)):
+        if step < skip:
+            continue
         if step == warmup_steps and warmup_steps:
             engine.reset_comm_stats()  # measure steady state: the stage-3 trace is recorded by now
         step_loss = 0.0

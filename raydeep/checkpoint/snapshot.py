@@ -1,0 +1,176 @@
+"""Take a rank's share of the engine state as plain tensors and JSON, independent of the stage.
+
+Each rank saves, for every FlatUnit, the element ranges it owns: its shard for stages 1-3, and
+for stage 0 (where every rank holds everything) an even split of each unit across the ranks, so
+the save is shared out in every stage. Tensors are copied (the snapshot must not change while
+an asynchronous write is in flight); padding is never saved.
+"""
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from raydeep.checkpoint import format as fmt
+from raydeep.zero.layout import UnitLayout
+
+
+@dataclass
+class RankSnapshot:
+    """What one rank contributes to a checkpoint."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    pieces: list[list] = field(default_factory=list)  # [param name, start, end]
+    rng: dict = field(default_factory=dict)
+    # rank 0 only: model-wide tensors (buffers, frozen params, client tensors) and JSON state
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+
+def owned_range(unit, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(start, end, base): the flat range of ``unit`` this rank saves, and the flat offset of
+    element 0 of its ``master`` tensor."""
+    if unit.layout.world_size > 1:
+        lo, hi = unit.layout.shard_range(unit.rank)
+        return lo, min(hi, unit.layout.numel), lo
+    lo, hi = UnitLayout(unit.layout.slots, world_size).shard_range(rank)  # stage 0: split the save
+    return lo, min(hi, unit.layout.numel), 0
+
+
+def pieces_in(unit, start: int, end: int):
+    """(slot, flat_start, flat_end) of each parameter of ``unit`` overlapping ``[start, end)``."""
+    for slot in unit.layout.slots:
+        s, e = max(start, slot.offset), min(end, slot.offset + slot.numel)
+        if s < e:
+            yield slot, s, e
+
+
+def take(engine, client_state: dict | None) -> RankSnapshot:
+    """This rank's snapshot of ``engine``; rank 0 also fills the model-wide parts."""
+    snap = RankSnapshot(rng=_rng_state())
+    optimizer = engine.optimizer
+    for unit in engine.strategy.units:
+        state = optimizer.state.get(unit.master, {})
+        per_element = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == unit.master.shape}
+        start, end, base = owned_range(unit, engine.rank, engine.world_size)
+        for slot, s, e in pieces_in(unit, start, end):
+            first = s - slot.offset
+            snap.tensors[fmt.piece_key(fmt.MASTER, slot.name, first)] = unit.master.detach()[s - base:e - base].clone()
+            for kind, value in per_element.items():
+                snap.tensors[fmt.piece_key(kind, slot.name, first)] = value[s - base:e - base].clone()
+            snap.pieces.append([slot.name, first, e - slot.offset])
+    if engine.rank == 0:
+        snap.manifest = _model_wide_state(engine)
+        snap.extra = _extra_tensors(engine, client_state or {})
+        snap.manifest["client_state"] = {k: v for k, v in (client_state or {}).items() if not torch.is_tensor(v)}
+        fmt.to_json(snap.manifest["client_state"], "client_state")  # fail now, in the caller's thread
+    return snap
+
+
+def _model_wide_state(engine) -> dict:
+    units, optimizer = engine.strategy.units, engine.optimizer
+    names_in_units = {name: unit for unit in units for name in unit.param_names}
+    params = {}
+    for name, p in engine.module.named_parameters():
+        if name in names_in_units:
+            params[name] = {"shape": list(p.shape), "dtype": fmt.dtype_name(p.dtype),
+                            "group": names_in_units[name].group_index}
+    state_keys, state_dtypes, scalars = [], {}, []
+    for group in optimizer.param_groups:
+        group_scalars = {}
+        for master in group["params"]:
+            for key, value in optimizer.state.get(master, {}).items():
+                if torch.is_tensor(value) and value.shape == master.shape:
+                    if key not in state_keys:
+                        state_keys.append(key)
+                        state_dtypes[key] = fmt.dtype_name(value.dtype)
+                else:
+                    group_scalars[key] = _scalar(key, value, master)
+        scalars.append(group_scalars)
+    hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+             for g in optimizer.param_groups]
+    scaler = engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    config = getattr(engine, "config", None)
+    return {
+        "world_size": engine.world_size, "stage": engine.settings.stage, "precision": engine.settings.precision,
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "skipped_steps": engine.skipped_steps},
+        "params": params,
+        "optimizer": {"class": type(optimizer).__name__, "state_keys": state_keys, "state_dtypes": state_dtypes,
+                      "scalars": scalars},
+        "param_groups": hyper, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
+        "loss_scaler": _jsonable(scaler, "loss scaler state"),
+        "config": config.model_dump(mode="json") if config is not None else None,
+    }
+
+
+def _scalar(key: str, value, master: torch.Tensor) -> dict:
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise TypeError(f"optimizer state {key!r} has shape {tuple(value.shape)}: raydeep checkpoints hold "
+                            "per-element states (the shape of the parameter) and scalars")
+        # Fused kernels keep ``step`` on the parameter's device, the others on the CPU.
+        return {"value": value.item(), "dtype": fmt.dtype_name(value.dtype), "tensor": True,
+                "on_param_device": value.device == master.device}
+    return {"value": value, "tensor": False}
+
+
+def _jsonable(obj, what: str):
+    if obj is None:
+        return None
+    if torch.is_tensor(obj):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _jsonable(v, what) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v, what) for v in obj]
+    if isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"{what}: {type(obj).__name__} values cannot be saved without pickling")
+
+
+def _extra_tensors(engine, client_state: dict) -> dict[str, torch.Tensor]:
+    unit_params = {id(p) for unit in engine.strategy.units for p in unit.params}
+    extra = {}
+    for name, buf in engine.module.named_buffers():
+        extra[f"buffer/{name}"] = buf.detach().cpu().clone()
+    for name, p in engine.module.named_parameters():
+        if id(p) not in unit_params:  # frozen: not partitioned, the same on every rank
+            extra[f"frozen/{name}"] = p.detach().cpu().clone()
+    for key, value in client_state.items():
+        if torch.is_tensor(value):
+            extra[f"client/{key}"] = value.detach().cpu().clone()
+    return extra
+
+
+# --- RNG -----------------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _rng_state() -> dict:
+    version, mt, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state = {"python": [version, list(mt), gauss], "torch": _b64(torch.get_rng_state()),
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    torch.set_rng_state(_unb64(state["torch"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))

@@ -1,0 +1,139 @@
+"""Write and commit one checkpoint tag so that a crash at any moment leaves the previous one whole.
+
+Protocol (every rank calls the collective steps in the same order; see ``saver.py``):
+
+1. rank 0 clears the staging location of the tag;
+2. every rank writes its own file(s) into it (fsynced on local disks);
+3. rank 0 writes ``manifest.json`` (with every file's sha256) last, moves the staging directory
+   into place when the filesystem can rename, then rewrites ``latest`` and prunes old tags.
+
+Until step 3 completes, ``latest`` still names the previous committed tag, and a tag without a
+manifest is never loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from raydeep.checkpoint import format as fmt
+from raydeep.checkpoint.storage import Storage
+
+logger = logging.getLogger("raydeep")
+
+
+class TagWriter:
+    """The files of one tag being written, and their commit."""
+
+    def __init__(self, storage: Storage, tag: str):
+        if not tag or "/" in tag or tag.startswith("."):
+            raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' and not start with '.'")
+        self.storage, self.tag = storage, tag
+        # Object stores cannot rename a directory: they write in place and commit by the manifest.
+        self.staging = f".{tag}.staging" if storage.is_local else tag
+
+    def prepare(self) -> None:
+        """Rank 0, before any rank writes: start from an empty staging location."""
+        if self.storage.is_local:
+            self.storage.delete_dir(self.staging)
+        elif self.storage.exists(f"{self.tag}/{fmt.MANIFEST}"):
+            # Re-saving a tag in place: un-commit it first so a half-overwritten tag is never loaded.
+            self.storage.fs.delete_file(self.storage.path(f"{self.tag}/{fmt.MANIFEST}"))
+        self.storage.make_dir(self.staging)
+
+    def write_file(self, name: str, data: bytes) -> dict:
+        """Write one file of the tag; returns its manifest entry (digest and size)."""
+        self.storage.write(f"{self.staging}/{name}", data)
+        return {"sha256": fmt.sha256(data), "bytes": len(data)}
+
+    def commit(self, manifest: dict, save_latest: bool = True, keep_last_k: int | None = None) -> None:
+        """Rank 0, after every rank's files are durable: make the tag visible, then ``latest``."""
+        self.storage.write(f"{self.staging}/{fmt.MANIFEST}", fmt.to_json(manifest, "checkpoint manifest").encode())
+        if self.storage.is_local:
+            replaced = f".{self.tag}.replaced"
+            if self.storage.exists(self.tag):  # re-saving a tag: keep the old one until the new is in place
+                self.storage.delete_dir(replaced)
+                self.storage.rename_dir(self.tag, replaced)
+            self.storage.rename_dir(self.staging, self.tag)
+            self.storage.delete_dir(replaced)
+        if save_latest:
+            self.storage.write_atomic(fmt.LATEST, self.tag.encode())
+        if keep_last_k:
+            prune(self.storage, keep_last_k)
+
+
+def committed_tags(storage: Storage) -> list[tuple[int, str]]:
+    """(global_steps, tag) of every committed checkpoint under ``storage``, oldest first."""
+    tags = []
+    for name in storage.list_dirs():
+        if name.startswith(".") or not storage.exists(f"{name}/{fmt.MANIFEST}"):
+            continue
+        try:
+            steps = json.loads(storage.read(f"{name}/{fmt.MANIFEST}"))["counters"]["global_steps"]
+        except (ValueError, KeyError):
+            continue
+        tags.append((steps, name))
+    return sorted(tags)
+
+
+def prune(storage: Storage, keep_last_k: int) -> list[str]:
+    """Delete all but the newest ``keep_last_k`` committed tags (never the one ``latest`` names)."""
+    latest = storage.read(fmt.LATEST).decode().strip() if storage.exists(fmt.LATEST) else None
+    tags = committed_tags(storage)
+    doomed = [tag for _, tag in tags[:max(0, len(tags) - keep_last_k)] if tag != latest]
+    for tag in doomed:
+        # Un-commit first: a prune interrupted half-way must not leave a loadable partial tag.
+        storage.fs.delete_file(storage.path(f"{tag}/{fmt.MANIFEST}"))
+        storage.delete_dir(tag)
+        logger.info("removed old checkpoint %s (keep_last_k=%d)", storage.describe(tag), keep_last_k)
+    return doomed
+
+
+def new_manifest(tag: str, params: dict[str, dict], files: dict[str, dict], *, world_size: int = 1,
+                 stage: int | None = None, precision: str = "fp32", counters: dict | None = None,
+                 optimizer: dict | None = None, param_groups: list | None = None, lr_scheduler=None,
+                 loss_scaler=None, rng: list | None = None, client_state: dict | None = None,
+                 config: dict | None = None, source: str = "raydeep") -> dict:
+    """Every manifest field in one place, with the defaults a converted checkpoint gets."""
+    return {
+        "format": fmt.FORMAT, "version": fmt.VERSION, "tag": tag, "source": source,
+        "world_size": world_size, "stage": stage, "precision": precision,
+        "counters": {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, **(counters or {})},
+        "params": params,
+        "optimizer": optimizer or {"class": None, "state_keys": [], "state_dtypes": {}, "scalars": []},
+        "param_groups": param_groups or [],
+        "lr_scheduler": lr_scheduler, "loss_scaler": loss_scaler, "rng": rng or [],
+        "client_state": client_state or {}, "config": config, "files": files,
+    }
+
+
+def write_single(directory: str | Storage, tag: str, masters: dict[str, torch.Tensor],
+                 states: dict[str, dict[str, torch.Tensor]] | None = None, extra: dict[str, torch.Tensor] | None = None,
+                 save_latest: bool = True, **manifest_fields) -> None:
+    """Write a checkpoint from full tensors in one process (conversions and imports use this).
+
+    ``masters`` maps parameter names to fp32 weights; ``states`` maps an optimizer state kind
+    (``exp_avg``...) to per-parameter tensors; ``extra`` holds buffers/frozen/client tensors.
+    """
+    storage = directory if isinstance(directory, Storage) else Storage.open(directory)
+    writer = TagWriter(storage, tag)
+    writer.prepare()
+    tensors, pieces, params = {}, [], {}
+    for name, weight in masters.items():
+        params.setdefault(name, {"shape": list(weight.shape), "dtype": "float32", "group": 0})
+        flat = weight.detach().float().reshape(-1)
+        tensors[fmt.piece_key(fmt.MASTER, name, 0)] = flat
+        for kind, per_param in (states or {}).items():
+            tensors[fmt.piece_key(kind, name, 0)] = per_param[name].detach().reshape(-1)
+        pieces.append([name, 0, flat.numel()])
+    for name, spec in manifest_fields.pop("params", {}).items():
+        params[name] = {**params.get(name, {}), **spec}
+    files = {fmt.rank_file(0, 1): {**writer.write_file(fmt.rank_file(0, 1), fmt.encode(tensors)), "pieces": pieces}}
+    if extra:
+        files[fmt.EXTRA_FILE] = writer.write_file(fmt.EXTRA_FILE, fmt.encode(extra))
+    if states and "optimizer" not in manifest_fields:
+        dtypes = {k: fmt.dtype_name(next(iter(v.values())).dtype) for k, v in states.items()}
+        manifest_fields["optimizer"] = {"class": None, "state_keys": list(states), "state_dtypes": dtypes,
+                                        "scalars": []}
+    writer.commit(new_manifest(tag, params, files, **manifest_fields), save_latest=save_latest)
