@@ -46,8 +46,10 @@ class Storage:
         return posixpath.join(self.root, rel) if rel else self.root
 
     def describe(self, rel: str = "") -> str:
-        """A path as the user wrote it (URI scheme included), for messages."""
-        return posixpath.join(self.uri.rstrip("/"), rel) if rel else self.uri
+        """A path as the user wrote it, for messages: scheme kept, query options (which may
+        carry credentials) dropped."""
+        base = self.uri.split("?", 1)[0].rstrip("/")
+        return posixpath.join(base, rel) if rel else base
 
     # --- files ----------------------------------------------------------------------------------
     def write(self, rel: str, data: bytes) -> None:

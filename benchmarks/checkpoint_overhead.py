@@ -1,0 +1,99 @@
+"""What does checkpointing every step cost? Step-time medians, same run, three modes.
+
+    python -m benchmarks.checkpoint_overhead [--world 2] [--steps 30] [--model gpt-tiny] [--stage 3]
+
+Each rank trains the built-in GPT on synthetic tokens; the same engine alternates blocks of
+steps with no checkpoint, with ``save_checkpoint(async_save=True)`` after every step, and with
+a synchronous save after every step, ``--steps`` steps of each. It prints the median step time of each mode (the save's
+own call included: that is what training waits for) and the ratios to no checkpointing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as tmp_mp
+
+MODES = ("none", "async", "sync")
+
+
+def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import raydeep
+    from raydeep.models import build_gpt
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(0)
+    model = build_gpt(args.model)
+    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": args.stage}, "raydeep": {"checkpoint_keep_last_k": 2}}
+    engine, *_ = raydeep.initialize(model=model, config=config)
+    seq = model.config.block_size
+    g = torch.Generator().manual_seed(rank)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    # Modes alternate in short blocks so that drift in machine load hits all three alike.
+    block = 5
+    for round_ in range(-(-(args.warmup + args.steps) // block)):
+        for mode in MODES:
+            for _ in range(block):
+                x = torch.randint(0, model.config.vocab_size, (args.micro, seq + 1), generator=g)
+                start = time.perf_counter()
+                loss = engine(x[:, :-1], x[:, 1:])
+                engine.backward(loss)
+                engine.step()
+                if mode != "none":
+                    engine.save_checkpoint(os.path.join(out_dir, "ckpt"), async_save=mode == "async")
+                times[mode].append(time.perf_counter() - start)
+            engine.wait_for_checkpoint()  # the next block starts with no save in flight
+    times = {mode: t[args.warmup:] for mode, t in times.items()}
+    if rank == 0:
+        with open(os.path.join(out_dir, "times.json"), "w") as f:
+            json.dump(times, f)
+    torch.distributed.destroy_process_group()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        tmp_mp.spawn(_train, args=(args.world, port, args, out_dir), nprocs=args.world, join=True)
+        with open(os.path.join(out_dir, "times.json")) as f:
+            times = json.load(f)
+    medians = {mode: statistics.median(t) for mode, t in times.items()}
+    return {"median_step_s": medians, "ratio_vs_none": {m: medians[m] / medians["none"] for m in MODES},
+            "steps": args.steps, "world": args.world, "model": args.model, "stage": args.stage}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    result = measure(args)
+    print(f"{args.model}, ZeRO-{args.stage}, {args.world} ranks, {args.steps} steps, checkpoint after every step")
+    for mode in MODES:
+        print(f"  {mode:>5}: median step {result['median_step_s'][mode] * 1000:8.1f} ms   "
+              f"x{result['ratio_vs_none'][mode]:.3f} vs none")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""A training script written the way DeepSpeed's examples write them; only the import differs.
+
+    torchrun --nproc_per_node 2 ds_style_train.py --deepspeed --deepspeed_config ds_config.json \
+        --save_dir CKPT --steps 4 [--resume]
+"""
+import argparse
+import json
+
+import torch
+
+import raydeep as deepspeed  # the one changed line: was `import deepspeed`
+from raydeep.data import builtin_dataset
+from raydeep.models import build_gpt
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="GPT on the standard library")
+    parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
+    parser.add_argument("--save_dir", type=str, required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--resume", action="store_true")
+    parser = deepspeed.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    deepspeed.init_distributed()
+    torch.manual_seed(42)
+    model = build_gpt("gpt-tiny", n_layer=2, block_size=64)
+    dataset = builtin_dataset(block_size=64, max_bytes=200_000)
+    engine, optimizer, loader, scheduler = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+    if args.resume:
+        load_path, client_state = engine.load_checkpoint(args.save_dir)
+        assert load_path is not None, "nothing to resume from"
+        start_epoch = client_state["epoch"]
+    else:
+        start_epoch = 0
+    engine.train()
+    losses = []
+    for epoch in range(start_epoch, start_epoch + 1):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if engine.global_steps >= args.steps:
+                break
+    engine.save_checkpoint(args.save_dir, client_state={"epoch": epoch + 1})
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps({"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                                      "lr": engine.get_lr(), "losses": losses, "stage": engine.zero_optimization_stage(),
+                                      "micro": engine.train_micro_batch_size_per_gpu(),
+                                      "gas": engine.gradient_accumulation_steps(),
+                                      "fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled()}))
+
+
+if __name__ == "__main__":
+    main()
