@@ -324,7 +324,7 @@ class WarmupLR(_Scheduler):
     def get_lr(self) -> list[Any]:
         """LRs for the current ``last_batch_iteration`` (``min`` with a warning before start)."""
         if self.last_batch_iteration < 0:
-            logger.warning(_NOT_STARTED_MSG)
+            logger.debug(_NOT_STARTED_MSG)  # DeepSpeed warns on every construction: noise, not news
             return self.min_lrs
         gamma = self._get_gamma()
         return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
@@ -406,7 +406,7 @@ class WarmupCosineLR(_Scheduler):
         """The multiplier applied to every group's original LR at the current iteration."""
         t = self.last_batch_iteration
         if t < 0:
-            logger.warning(_NOT_STARTED_MSG)
+            logger.debug(_NOT_STARTED_MSG)  # DeepSpeed warns on every construction: noise, not news
             return 0.0
         if t < self.warmup_num_steps:
             gamma = _warmup_gamma(t, self.warmup_num_steps, self.warmup_type)
@@ -421,7 +421,7 @@ class WarmupCosineLR(_Scheduler):
     def get_lr(self) -> list[Any]:
         """LRs for the current ``last_batch_iteration`` (0 with a warning before start)."""
         if self.last_batch_iteration < 0:
-            logger.warning(_NOT_STARTED_MSG)
+            logger.debug(_NOT_STARTED_MSG)  # DeepSpeed warns on every construction: noise, not news
             return [0.0 for _ in self.org_lrs]
         ratio = self.get_lr_ratio()
         return [org_lr * ratio for org_lr in self.org_lrs]

@@ -16,7 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, args, queue):
+def _entry(fn, rank, world, port, args, queue, backend="gloo"):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -24,7 +24,9 @@ def _entry(fn, rank, world, port, args, queue):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world)
         try:
             # Serialise to bytes: tensors sent through a Queue would point at the child's
             # shared memory, which disappears when the child exits.
@@ -37,11 +39,11 @@ def _entry(fn, rank, world, port, args, queue):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 600) -> list:
-    """``fn(*args)`` on every rank of a fresh gloo group; returns results ordered by rank."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 600, backend: str = "gloo") -> list:
+    """``fn(*args)`` on every rank of a fresh process group; returns results ordered by rank."""
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results = {}

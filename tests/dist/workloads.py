@@ -62,7 +62,7 @@ def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip
         step_loss = 0.0
         for k in range(gas):
             lo = (k * world + rank) * micro
-            x = batch[lo:lo + micro]
+            x = batch[lo:lo + micro].to(engine.device)
             loss = engine(x[:, :-1], x[:, 1:])
             engine.backward(loss)
             engine.step()
