@@ -76,3 +76,27 @@ def fresh_continuation(stage: int, before: int, after: int) -> dict[str, torch.T
     engine = build(stage)
     run_steps(engine, before + after, GLOBAL_BATCH, skip=before)
     return full_params(engine)
+
+
+def frozen_and_buffer_round_trip(directory: str, save: bool) -> dict:
+    """bf16 training with a frozen parameter and a buffer: saved at one layout, loaded at another."""
+    import raydeep
+    from raydeep import comm
+
+    model = tiny_gpt()
+    model.register_buffer("calls", torch.zeros(3))
+    frozen = next(p for n, p in model.named_parameters() if n.endswith("ln_f.weight"))
+    frozen.requires_grad_(False)
+    stage = 3 if save else 1
+    cfg = layout_config(stage, comm.world_size(), bf16={"enabled": True})
+    engine, *_ = raydeep.initialize(model=model, config=cfg)
+    if save:
+        run_steps(engine, 2, GLOBAL_BATCH)
+        with torch.no_grad():
+            frozen.add_(0.25)
+            model.calls.fill_(7)
+        engine.save_checkpoint(directory)
+    else:
+        engine.load_checkpoint(directory)
+        engine.save_checkpoint(directory + "-resaved")
+    return {"frozen": frozen.detach().float().clone(), "calls": model.calls.clone(), "params": full_params(engine)}

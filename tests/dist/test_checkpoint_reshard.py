@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist.checkpoint_workloads import fresh_continuation, load_and_continue, save_and_continue
+from tests.dist.checkpoint_workloads import (fresh_continuation, frozen_and_buffer_round_trip, load_and_continue,
+                                             save_and_continue)
 from raydeep.checkpoint import CheckpointReader
 from tests.dist.harness import run_ranks
 
@@ -70,3 +71,14 @@ def test_without_loading_the_run_differs(saved):
     _, original = saved
     params = run_ranks(fresh_continuation, 2, 2, BEFORE, AFTER)[0]
     assert _max_param_diff(params, original[2]["params"]) > 1e-3
+
+
+def test_bf16_frozen_params_and_buffers(tmp_path):
+    """bf16 (fp32 masters), a frozen parameter and a buffer: ZeRO-3 at W2 -> ZeRO-1 at W1."""
+    directory = str(tmp_path / "bf16")
+    saved = run_ranks(frozen_and_buffer_round_trip, 2, directory, True)[0]
+    loaded = run_ranks(frozen_and_buffer_round_trip, 1, directory, False)[0]
+    assert torch.equal(loaded["frozen"], saved["frozen"]) and torch.equal(loaded["calls"], saved["calls"])
+    for name, value in saved["params"].items():
+        assert torch.equal(loaded["params"][name], value), name  # bf16 weights re-derived from the masters
+    _assert_same_state(directory, directory + "-resaved")
