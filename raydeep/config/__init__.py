@@ -29,6 +29,8 @@ logger = logging.getLogger("raydeep")
 AUTO_DROPPING_SECTIONS = ("zero_optimization", "fp16", "bf16", "comms_logger", "tensorboard", "csv_monitor",
                           "wandb", "comet")
 
+# Keys whose own value set includes "auto" (a real setting, not a placeholder to fill in).
+AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "data_types.keep_in_fp32_modules"})
 # Where Hugging Face's integration fills each "auto" from, to make the unresolved-key error useful.
 HF_SOURCES = {
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
@@ -142,7 +144,7 @@ def _resolve_auto(data: dict, warnings: list[str]) -> None:
     if data.get("train_batch_size") == AUTO:
         # Derived from the other two and the world size (m * g * W), the triangle's own rule.
         data.pop("train_batch_size")
-    unresolved = find_auto(data)
+    unresolved = [key for key in find_auto(data) if key not in AUTO_IS_A_VALUE]
     if unresolved:
         errors = []
         for key in unresolved:

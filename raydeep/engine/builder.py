@@ -1,26 +1,35 @@
 """build_engine: the one place where features are chosen from the config.
 
 It casts the model to the training precision, makes every rank start from rank 0's weights,
-groups parameters into FlatUnits, picks the ZeRO strategy for the stage, and builds the
-optimizer (over the fp32 master shards), LR scheduler and loss scaler. Each component gets
-only its own section.
+wraps the modules chosen for activation checkpointing, groups parameters into FlatUnits, picks
+the ZeRO strategy for the stage, and builds the optimizer (over the fp32 master shards), LR
+scheduler and loss scaler. Each component gets only its own section.
+
+A model built under ``raydeep.zero.Init`` arrives partitioned: its slices are moved and cast in
+place (never the full parameters), and each FlatUnit assembles its shard from them. At stages
+0-2, which keep the full parameters on every rank anyway, the units gather them.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from raydeep import comm
 from raydeep.config import RaydeepConfig
+from raydeep.engine.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
 from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import build_scheduler
 from raydeep.precision.loss_scaler import build_loss_scaler
+from raydeep.zero import partitioned
 from raydeep.zero.flat import FlatUnit
 from raydeep.zero.layout import plan_buckets
 from raydeep.zero.stage3 import PrefetchPolicy, Stage3
 from raydeep.zero.strategy import ReduceSpec, Stage0, Stage1, Stage2
 
+logger = logging.getLogger("raydeep")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -31,15 +40,11 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     rank, world = comm.rank(), comm.world_size()
     assert world == cfg.world_size, f"config resolved for world size {cfg.world_size}, process group has {world}"
     dtype = DTYPES[cfg.precision]
-    model.to(device)
-    for p in model.parameters():  # 0.19.8: parameters are cast, buffers keep their dtype
-        if p.is_floating_point():
-            p.data = p.data.to(dtype)
-    stats = comm.CommStats()
-    for t in list(model.parameters()) + list(model.buffers()):
-        comm.broadcast(t.data, 0, stats)  # every rank starts from rank 0's weights, as DeepSpeed does
-    groups = _param_groups(model, model_parameters)
     stage = cfg.zero_optimization.stage
+    stats = comm.CommStats()
+    _place_parameters(model, device, dtype, stats, stage)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.raydeep.checkpoint_modules)
+    groups = _param_groups(model, model_parameters)
     units, extra = _build_units(model, groups, cfg, rank, world, dtype)
     strategy = _build_strategy(stage, units, cfg, world, dtype, stats, extra)
     opt = _build_optimizer(cfg, groups, units, optimizer)
@@ -54,6 +59,25 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
         comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown)
     return Engine(model, strategy, opt, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
+
+
+def _place_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype, stats, stage: int) -> None:
+    """Move to ``device``, cast parameters to the training dtype (0.19.8: buffers keep theirs) and
+    make every rank start from rank 0's weights, as DeepSpeed does. Init-partitioned parameters
+    were broadcast when they were partitioned; only their slices move."""
+    split = [p for p in model.parameters() if partitioned.is_partitioned(p)]
+    for p in split:
+        partitioned.move(p, device, dtype)  # before model.to(): that would expand the placeholders
+    if split and stage < 3:
+        logger.warning("the model was built under zero.Init, but ZeRO stage %d keeps full parameters on every "
+                       "rank: gathering them", stage)
+    model.to(device)
+    whole = [p for p in model.parameters() if not partitioned.is_partitioned(p)]
+    for p in whole:
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for t in whole + list(model.buffers()):
+        comm.broadcast(t.data, 0, stats)
 
 
 def _param_groups(model: nn.Module, model_parameters) -> list[tuple[dict, list[tuple[str, nn.Parameter]]]]:
@@ -110,10 +134,7 @@ def partition_modules(model: nn.Module, spec) -> list[nn.Module]:
 def _stage3_units(model, groups, cfg, rank, world, grad_dtype):
     zero = cfg.zero_optimization
     modules = partition_modules(model, cfg.raydeep.partition_units)
-    owner = {}
-    for m_index, module in enumerate(modules):  # pre-order: deeper units overwrite their ancestors
-        for p in module.parameters():
-            owner[p] = m_index
+    owner = _unit_owners(modules)
     group_of = {p: g for g, (_, named) in enumerate(groups) for _, p in named}
     persistent_budget = zero.model_persistence_threshold
     buckets: dict[tuple, list] = {}
@@ -134,6 +155,22 @@ def _stage3_units(model, groups, cfg, rank, world, grad_dtype):
         else:
             module_units[key[0]][1].append(index)
     return units, (module_units, persistent)
+
+
+def _unit_owners(modules: list[nn.Module]) -> dict[nn.Parameter, int]:
+    """The partition unit that gathers each parameter: the deepest unit on the path to every unit
+    that uses it. A weight shared by sibling units (an embedding tied to the lm_head under
+    ``partition_units: "param"``) goes to their common ancestor -- at least the root, which stays
+    fetched through forward and backward -- because each sibling's hooks fetch only its own units."""
+    inside = [{id(m) for m in module.modules()} for module in modules]
+    users: dict[nn.Parameter, list[int]] = {}
+    for m_index, module in enumerate(modules):  # pre-order: an ancestor comes before its descendants
+        for p in module.parameters():
+            users.setdefault(p, []).append(m_index)
+
+    def on_one_path(i: int, found: list[int]) -> bool:  # each other unit is i's ancestor or descendant
+        return all(id(modules[j]) in inside[i] or id(modules[i]) in inside[j] for j in found)
+    return {p: max(i for i in found if on_one_path(i, found)) for p, found in users.items()}
 
 
 def _build_strategy(stage, units, cfg, world, dtype, stats, extra):

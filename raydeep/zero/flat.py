@@ -9,12 +9,17 @@ Every ZeRO stage is built from FlatUnits; stages differ only in what each unit k
 - ``master``: the fp32 ``nn.Parameter`` the optimizer updates. In fp32 training it *is* ``local``
               (no copy); in fp16/bf16 it is an fp32 copy.
 - ``grad``:   this rank's gradient shard (``grad_accum_dtype``), which clipping and the optimizer read.
+
+Parameters partitioned by ``zero.Init`` arrive as per-parameter slices; the unit re-cuts them into
+its own layout with one all-gather (``partitioned.fill_unit``) and, when ``local`` has storage of
+its own, frees ``full`` at once, so building all units never holds more than one unit in full.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from raydeep.zero import partitioned
 from raydeep.zero.layout import UnitLayout
 
 
@@ -31,7 +36,11 @@ class FlatUnit:
         dtype, device = self.params[0].dtype, self.params[0].device
         self.full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
         for slot, p in zip(self.layout.slots, self.params):
-            self.full[slot.offset:slot.offset + slot.numel].copy_(p.data.reshape(-1))
+            if not partitioned.is_partitioned(p):
+                self.full[slot.offset:slot.offset + slot.numel].copy_(p.data.reshape(-1))
+        from_partitions = partitioned.fill_unit(self.full, self.layout.slots, self.params)
+        for slot, p in zip(self.layout.slots, self.params):
+            partitioned.release(p)
             p.data = self._view(slot)
         lo, hi = self.layout.shard_range(self.rank)
         self.local = self.full[lo:hi].clone() if separate_local else self.full[lo:hi]
@@ -40,6 +49,8 @@ class FlatUnit:
         self.grad = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
         self.gathered = True
         self.pending = None  # an in-flight all-gather (stage-3 prefetch)
+        if from_partitions and separate_local:
+            self.free_full()
 
     def _view(self, slot) -> torch.Tensor:
         return self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -414,3 +414,9 @@ def test_elasticity_v02_fallback_with_no_batch_that_fits():
     data = {"elasticity": {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [4], "version": 0.2}}
     err = error_of(data, world_size=4)
     assert err.key == "elasticity.max_train_batch_size" and "at least 16" in str(err)
+
+
+def test_auto_as_a_real_value_is_not_a_placeholder():
+    cfg = load_config({"train_batch_size": 2, "raydeep": {"partition_units": "auto"},
+                       "data_types": {"keep_in_fp32_modules": "auto"}})
+    assert cfg.raydeep.partition_units == "auto"
