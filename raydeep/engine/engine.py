@@ -5,8 +5,9 @@
     engine.step()                # every micro-batch; the optimizer runs only at the boundary
 
 At the boundary, ``_take_model_step`` does, in order: global gradient norm (one all-reduce) ->
-overflow decision -> unscale and clip into the fp32 masters -> optimizer step on this rank's
-shard -> publish updated parameters (all-gather for stages 1-2) -> scheduler and loss scaler.
+overflow decision -> loss scaler update -> unscale and clip into the fp32 masters -> optimizer
+step on this rank's shard -> publish updated parameters (all-gather for stages 1-2) -> scheduler
+(not on a skipped step).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 from raydeep import comm
 from raydeep.checkpoint import Checkpointer
 from raydeep.optim.clip import clip_coefficient
+from raydeep.precision.loss_scaler import has_overflow
 
 logger = logging.getLogger("raydeep")
 
@@ -97,26 +99,37 @@ class Engine(nn.Module):
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         scale = self.loss_scaler.loss_scale
-        total_norm = self._global_norm() if self.settings.compute_grad_norm else 0.0
-        overflow = self.settings.skip_nonfinite and not math.isfinite(total_norm)
+        if self.settings.compute_grad_norm:
+            total_norm = self._global_norm()
+            overflow = self.settings.skip_nonfinite and not math.isfinite(total_norm)
+        else:  # no norm to read the overflow from: scan the gradients, as DeepSpeed does
+            total_norm = None
+            overflow = self.settings.skip_nonfinite and self._any_rank_overflowed()
+        # The scaler first, as in DeepSpeed: at the minimum scale it raises before any counter moves.
+        self.loss_scaler.update_scale(overflow)
         if overflow:
             self._global_grad_norm = float("inf")
             self.skipped_steps += 1
             self._step_applied = False
         else:
-            combined = clip_coefficient(total_norm, scale, self.settings.gradient_clipping)
-            self._global_grad_norm = total_norm / scale
+            combined = clip_coefficient(total_norm or 0.0, scale, self.settings.gradient_clipping)
+            self._global_grad_norm = None if total_norm is None else total_norm / scale
             self.strategy.set_master_grads(1.0 / combined)
             self.optimizer.step()
             self.strategy.after_step()
             self._step_applied = True
-        self.loss_scaler.update_scale(overflow)
         if not overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.strategy.zero_grad()
         self.global_steps += 1
         self.global_samples += self.settings.train_batch_size
         self._report_progress()
+
+    def _any_rank_overflowed(self) -> bool:
+        local = has_overflow([unit.grad for unit in self.strategy.units])
+        if self.strategy.sharded_grads:
+            return comm.all_reduce_scalar(float(local), "max", self.stats) > 0
+        return local
 
     def _global_norm(self) -> float:
         sq = self.strategy.grad_sq_norm()
