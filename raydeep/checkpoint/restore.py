@@ -17,6 +17,8 @@ from raydeep.checkpoint.snapshot import pieces_in, restore_rng
 from raydeep.errors import CheckpointError
 
 logger = logging.getLogger("raydeep")
+# Param-group keys that pick an optimizer implementation rather than hold training state.
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def check_compatible(engine, reader: CheckpointReader, strict: bool = True) -> None:
@@ -108,6 +110,8 @@ def _load_optimizer(optimizer, manifest: dict, states: dict[int, dict[str, torch
                               f"this run has {len(optimizer.param_groups)}")
     for g, group in enumerate(optimizer.param_groups):
         for key, value in (saved_groups[g] if saved_groups else {}).items():
+            if key in KERNEL_CHOICES:
+                continue  # how this run's optimizer executes is its own choice, not the checkpoint's
             group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         group_scalars = scalars[g] if g < len(scalars) else {}
         for master in group["params"]:
