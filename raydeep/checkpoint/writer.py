@@ -59,6 +59,10 @@ class TagWriter:
             self.storage.delete_dir(replaced)
         if save_latest:
             self.storage.write_atomic(fmt.LATEST, self.tag.encode())
+        if self.storage.is_local:
+            for name in self.storage.list_dirs():  # leftovers of saves that were interrupted
+                if name.startswith(".") and name.endswith((".staging", ".replaced")):
+                    self.storage.delete_dir(name)
         if keep_last_k:
             prune(self.storage, keep_last_k)
 

@@ -111,3 +111,10 @@ def test_bad_tags_and_paths(tmp_path):
 def test_file_uri(tmp_path):
     _write(f"file://{tmp_path}")
     assert torch.equal(CheckpointReader.open(str(tmp_path)).full("fp32", "b"), WEIGHTS["b"])
+
+
+def test_leftovers_of_interrupted_saves_are_removed_at_the_next_commit(tmp_path):
+    (tmp_path / ".crashed.staging").mkdir(parents=True)
+    (tmp_path / ".crashed.staging" / "rank00000-of-00001.safetensors").write_bytes(b"half")
+    _write(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
