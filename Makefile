@@ -1,5 +1,5 @@
 # Set-up and everyday commands. Each target creates .venv on first use.
-#   make demo   train the built-in GPT with ZeRO-3 on local CPU ranks
+#   make demo   train the tiny GPT with ZeRO-3 on a local Ray cluster of 2 CPU workers
 #   make test   install the test extras and run the whole suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv

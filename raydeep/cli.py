@@ -3,6 +3,7 @@
     raydeep config check ds_config.json --world-size 8 --set train_micro_batch_size_per_gpu=4
     raydeep estimate --params 7.5e9 --world-size 64 --stage 3
     raydeep demo --steps 200
+    raydeep train --num-workers 2 --steps 200 --name tiny   # Ray Train; re-run to resume
 
 User mistakes exit with status 2 and a one-paragraph message naming the key, the value and the
 fix; a Python traceback here is a raydeep bug.
@@ -14,6 +15,7 @@ import json
 import logging
 import sys
 
+from raydeep.checkpoint.convert import add_convert_parser
 from raydeep.errors import RaydeepError
 
 
@@ -65,6 +67,31 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, world_size=args.world_size, stage=args.stage, model=args.model)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from raydeep.ray import TrainSpec, parse_num_workers
+    from raydeep.ray.spec import DEFAULT_DS_CONFIG, default_run_name
+    from raydeep.ray.train_command import run_train_command
+
+    spec = TrainSpec(ds_config=args.config or DEFAULT_DS_CONFIG, model=args.model, data=args.data,
+                     num_workers=parse_num_workers(args.num_workers), use_gpu=args.use_gpu,
+                     cpus_per_worker=args.cpus_per_worker, steps=args.steps, checkpoint_every=args.checkpoint_every,
+                     storage_path=args.storage_path, name=args.name or default_run_name(),
+                     max_failures=args.max_failures, seed=args.seed, export_fp32=args.export_fp32,
+                     overrides=args.set)
+    if not args.verbose:
+        logging.getLogger("ray").setLevel(logging.WARNING)  # the progress bar says what Ray is doing
+    return run_train_command(spec, address=args.address, verbose=args.verbose)
+
+
+def _data_build(args: argparse.Namespace) -> int:
+    from raydeep.data import build_byte_dataset
+
+    count = build_byte_dataset(args.out, args.files or None, block_size=args.block_size, max_bytes=args.max_bytes)
+    source = ", ".join(args.files) if args.files else "the embedded corpus"
+    print(f"{args.out}: {count} samples of {args.block_size + 1} byte tokens from {source}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raydeep", description="DeepSpeed's training runtime on Ray and PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,13 +115,54 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true")
     est.set_defaults(func=_estimate)
 
-    demo = sub.add_parser("demo", help="train the built-in GPT with ZeRO on local CPU ranks")
-    demo.add_argument("--steps", type=int, default=300)
+    demo = sub.add_parser("demo", help="train the built-in GPT with ZeRO on a local Ray cluster of CPU workers")
+    demo.add_argument("--steps", type=int, default=200)
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=3)
     demo.add_argument("--model", default="gpt-tiny")
     demo.set_defaults(func=_demo)
+
+    _add_train_parser(sub)
+    add_convert_parser(sub)
+    _add_data_parser(sub)
     return parser
+
+
+def _add_train_parser(sub) -> None:
+    train = sub.add_parser("train", help="train with ZeRO on a Ray cluster (a local one when none is given)",
+                           description="Train to global step --steps; re-running the same --storage-path and "
+                           "--name continues the run from its last checkpoint, at any --num-workers.")
+    train.add_argument("--config", help="ds_config.json (default: the tiny GPT with ZeRO-3, global batch 16)")
+    train.add_argument("--model", default="gpt-tiny", help="GPT size (gpt-tiny, gpt-small-cpu, ...) or "
+                       "package.module:function returning the model")
+    train.add_argument("--data", default="builtin", help="builtin (embedded corpus), synthetic, or a Parquet "
+                       "token dataset path/URI (see `raydeep data build`)")
+    train.add_argument("--num-workers", default="2", metavar="N|MIN:MAX", help="fixed, or an elastic range")
+    train.add_argument("--use-gpu", action="store_true", help="one GPU per worker (NCCL)")
+    train.add_argument("--cpus-per-worker", type=float, default=1.0)
+    train.add_argument("--steps", type=int, default=200, help="the global step to train to")
+    train.add_argument("--checkpoint-every", type=int, default=50, metavar="K")
+    train.add_argument("--storage-path", default="runs", help="shared storage for checkpoints and "
+                       "summary.json: a path every node can reach, or s3://..., gs://...")
+    train.add_argument("--name", help="run name (default: raydeep-<date>-<time>); reuse it to resume")
+    train.add_argument("--max-failures", type=int, default=3, help="worker-group restarts allowed (-1: no limit)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a ds_config key")
+    train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a new local cluster)")
+    train.add_argument("--export-fp32", action="store_true", help="write the consolidated fp32 weights "
+                       "(safetensors) beside summary.json")
+    train.add_argument("--verbose", action="store_true", help="show Ray's and the workers' logs")
+    train.set_defaults(func=_train)
+
+
+def _add_data_parser(sub) -> None:
+    data = sub.add_parser("data", help="token datasets").add_subparsers(dest="action", required=True)
+    build = data.add_parser("build", help="tokenise text files to bytes into a Parquet token dataset")
+    build.add_argument("out", help="output .parquet path or URI")
+    build.add_argument("files", nargs="*", help="text files (default: the embedded corpus)")
+    build.add_argument("--block-size", type=int, default=128)
+    build.add_argument("--max-bytes", type=int, default=None)
+    build.set_defaults(func=_data_build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Built-in datasets: the embedded standard-library byte corpus and synthetic tokens."""
+"""Built-in datasets: the embedded standard-library byte corpus, synthetic tokens, Parquet token files."""
 
 from raydeep.data.corpus import (
     DEFAULT_CORPUS_BYTES,
@@ -9,13 +9,17 @@ from raydeep.data.corpus import (
     builtin_dataset,
     synthetic_dataset,
 )
+from raydeep.data.parquet import ParquetTokenDataset, build_byte_dataset, write_token_parquet
 
 __all__ = [
     "DEFAULT_CORPUS_BYTES",
     "ByteTokenDataset",
+    "ParquetTokenDataset",
     "SyntheticTokenDataset",
+    "build_byte_dataset",
     "builtin_corpus_bytes",
     "builtin_corpus_files",
     "builtin_dataset",
     "synthetic_dataset",
+    "write_token_parquet",
 ]

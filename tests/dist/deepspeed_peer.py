@@ -187,8 +187,8 @@ def deepspeed_comm_sweep(stages: list[int], steps: int, warmup_steps: int, micro
 
 # --- checkpoints written by DeepSpeed (the import test) --------------------------------------------
 def _gpt(width: int):
-    """The tiny GPT (``width`` 64), or one as small with another width: an odd width (e.g. 33,
-    3 heads) gives odd-sized parameters, so DeepSpeed pads its partitions."""
+    """The tiny GPT (``width`` 64), or the same with another width and 3 heads: an odd width
+    (e.g. 33) gives odd-sized parameters, so DeepSpeed pads its partitions."""
     if width == 64:
         return tiny_gpt()
     import torch
@@ -219,11 +219,11 @@ def deepspeed_save_and_continue(directory: str, cfg: dict, global_batch: int, be
     return out
 
 
-def deepspeed_import_continuation(directory: str, cases: list[tuple[int, dict, int]], before: int, after: int,
-                                  control: bool = False) -> dict:
-    """Per case (ZeRO stage, extra config, model width): DeepSpeed trains ``before`` steps, saves
-    and continues ``after`` steps; rank 0 imports its checkpoint with ``raydeep convert
-    import-deepspeed``; a raydeep engine of the same stage and config loads the import and
+def deepspeed_import_continuation(directory: str, cases: list[tuple[int, dict, int, bool]], before: int,
+                                  after: int) -> dict:
+    """Per case (ZeRO stage, extra config, model width, control): DeepSpeed trains ``before``
+    steps, saves and continues ``after`` steps; rank 0 imports its checkpoint with ``raydeep
+    convert import-deepspeed``; a raydeep engine of the same stage and config loads the import and
     continues ``after`` steps on the same data. With ``control``, a second raydeep engine loads
     only the weights (no optimizer state) and continues too: the comparison must tell them apart."""
     import torch.distributed as dist
@@ -233,7 +233,7 @@ def deepspeed_import_continuation(directory: str, cases: list[tuple[int, dict, i
     from tests.dist.checkpoint_workloads import GLOBAL_BATCH, continue_training, layout_config
 
     out = {}
-    for i, (stage, extra, width) in enumerate(cases):
+    for i, (stage, extra, width, control) in enumerate(cases):
         source, target = f"{directory}/deepspeed{i}", f"{directory}/raydeep{i}"
         cfg = layout_config(stage, dist.get_world_size(), **extra)
         ds = deepspeed_save_and_continue(source, cfg, GLOBAL_BATCH, before, after, width)

@@ -62,9 +62,9 @@ def test_warmup_num_steps_one_means_two_and_holds_max():
     assert _lrs(opt, sched, 5) == pytest.approx([0.0, 0.0, 0.5, 1.0, 1.0, 1.0])
 
 
-def test_warmup_get_last_lr_right_after_construction_and_warning(caplog):
+def test_warmup_get_last_lr_right_after_construction_and_message(caplog):
     opt = _opt(lr=0.3)
-    with caplog.at_level(logging.WARNING, logger="raydeep"):
+    with caplog.at_level(logging.DEBUG, logger="raydeep"):
         sched = WarmupLR(opt, warmup_min_lr=0.05, warmup_num_steps=3)
     assert "Attempting to get learning rate from scheduler before it has started" in caplog.text
     assert sched.get_last_lr() == [0.05]

@@ -1,0 +1,140 @@
+"""The per-worker training loop, independent of Ray: it needs only an initialised process group
+and a *session* that knows where checkpoints live and who is watching.
+
+One attempt of a run, on every rank:
+
+1. build the model (fixed seed) and the engine with this world size's batch plan;
+2. restore the session's checkpoint, if any: weights, optimizer, scheduler, loss scaler, step and
+   sample counters, RNG, and (in ``client_state``) the sample ledger and the run's attempt history;
+3. train to ``spec.steps``: each step reads the samples at global positions
+   ``[global_samples, global_samples + train_batch_size)`` of the run's sample order, records
+   them in the ledger, and every ``checkpoint_every`` steps (and at the end) saves through the
+   session;
+4. consolidate the fp32 parameters and return what the run's summary needs.
+
+The session is the only thing that knows about Ray (:class:`raydeep.ray.worker.RaySession`), so
+the loop runs the same in any process group a session is written for.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raydeep.ray.batch_plan import BatchSchedule
+from raydeep.ray.ledger import SampleLedger, SampleOrder, micro_positions, step_ids_in_position_order
+from raydeep.ray.spec import TrainSpec
+from raydeep.ray.weights import consolidated_fp32, param_sha256, save_fp32
+from raydeep.ray.workload import build_model, collate, open_dataset, sequence_shape
+
+logger = logging.getLogger("raydeep")
+
+
+class Session(Protocol):
+    """Where one attempt's checkpoints come from and go to, and who hears about progress."""
+
+    driver_id: str
+
+    def restore(self, engine) -> dict | None:
+        """Load the checkpoint to resume from into ``engine``; its client_state, or None to start fresh."""
+
+    def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
+        """Checkpoint ``engine`` (collective: every rank calls it)."""
+
+    def attempt_started(self, record: dict) -> None: ...
+
+    def step_done(self, event: dict) -> None: ...
+
+
+def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, session: Session) -> dict:
+    """One attempt of the run on this rank (see the module docstring); returns the rank's result."""
+    import raydeep
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = schedule.for_world_size(world)
+    model = build_model(spec.model, spec.seed)
+    block_size, vocab_size = sequence_shape(model)
+    engine, *_ = raydeep.initialize(model=model, config=schedule.engine_config(ds_config, world))
+    dataset = open_dataset(spec.data, block_size, vocab_size, spec.seed)
+    order = SampleOrder(len(dataset), spec.seed)
+
+    source = {"data": spec.data, "num_samples": len(dataset), "seed": spec.seed}
+    state, ledger = _resume(session, engine, source)
+    attempt = {"driver": session.driver_id, "world_size": world, "micro_batch": plan.micro_batch,
+               "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time()}
+    attempts = list(state.get("attempts", [])) + [attempt]
+    session.attempt_started(attempt)
+    first_loss, last_loss = state.get("first_loss"), state.get("last_loss")
+
+    while engine.global_steps < spec.steps:
+        started = time.time()
+        last_loss, my_ids = _train_step(engine, dataset, order, rank, world, plan.micro_batch)
+        ledger.record(_gather_step_ids(my_ids, world, plan.micro_batch, engine.device))
+        first_loss = last_loss if first_loss is None else first_loss
+        step = engine.global_steps
+        session.step_done({"step": step, "loss": last_loss, "samples": engine.global_samples,
+                           "seconds": time.time() - started, "time": time.time()})
+        if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
+            client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
+                            "last_loss": last_loss, "source": source}
+            session.save(engine, f"global_step{step}", client_state,
+                         {"step": step, "loss": last_loss, "samples": engine.global_samples,
+                          "samples_sha256": ledger.digest})
+
+    params = consolidated_fp32(engine)
+    result = {"first_loss": first_loss, "final_loss": last_loss, "global_steps": engine.global_steps,
+              "global_samples": engine.global_samples, "param_sha256": param_sha256(params),
+              "samples_sha256": ledger.digest, "attempts": attempts, "train_batch_size": plan.train_batch_size,
+              "zero_stage": engine.zero_optimization_stage(), "num_parameters": sum(t.numel() for t in params.values()),
+              "memory": engine.memory_breakdown()}
+    if spec.export_fp32 and rank == 0:
+        save_fp32(params, f"{spec.run_uri}/model_fp32.safetensors")
+    return result
+
+
+def _resume(session: Session, engine, source: dict) -> tuple[dict, SampleLedger]:
+    """The checkpoint's client_state (empty for a fresh run) and its sample ledger."""
+    state = session.restore(engine) or {}
+    if state.get("source", source) != source:
+        # The sample order is a function of these: positions already consumed map to other samples now.
+        logger.warning("resuming with different data: the checkpoint was trained on %s, this attempt reads %s; "
+                       "exactly-once holds only for an unchanged dataset and seed", state["source"], source)
+    ledger = SampleLedger.from_state(state["ledger"]) if "ledger" in state else SampleLedger()
+    if ledger.samples != engine.global_samples:
+        raise RuntimeError(f"checkpoint is inconsistent: the engine consumed {engine.global_samples} samples, "
+                           f"the sample ledger {ledger.samples}")
+    return state, ledger
+
+
+def _train_step(engine, dataset, order: SampleOrder, rank: int, world: int, micro: int) -> tuple[float, np.ndarray]:
+    """One optimizer step: this rank's micro batches of the step's global batch; returns the loss
+    averaged over every micro batch of every rank (the global batch's mean) and this rank's ids."""
+    step_start, grad_accum = engine.global_samples, engine.gradient_accumulation_steps()
+    ids, loss_sum = [], 0.0
+    for k in range(grad_accum):
+        positions = micro_positions(step_start, k, rank, world, micro)
+        batch_ids = order.ids(positions.start, len(positions))
+        x, y = collate(dataset, batch_ids)
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        loss_sum += float(loss.detach())
+        ids.append(batch_ids)
+    total = torch.tensor([loss_sum], dtype=torch.float64, device=engine.device)
+    if world > 1:
+        dist.all_reduce(total)  # on the engine's device: NCCL reduces only CUDA tensors
+    return float(total) / (grad_accum * world), np.concatenate(ids)
+
+
+def _gather_step_ids(my_ids: np.ndarray, world: int, micro: int, device: torch.device) -> np.ndarray:
+    """Every rank's ids of this step, in global position order: the ids actually trained on."""
+    if world == 1:
+        return my_ids
+    mine = torch.from_numpy(my_ids).to(device)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return step_ids_in_position_order([t.cpu().numpy() for t in everyone], world, micro)

@@ -1,0 +1,46 @@
+"""RunMonitor: a small actor on the driver's node that the workers tell what they are doing.
+
+Ray Train keeps only the metrics of checkpointed reports and shows the driver nothing while
+``fit()`` runs, so the workers send step events here (rank 0, fire-and-forget: training never
+waits on it) and the driver polls it for the progress bar, the attempt history (world size,
+worker pids and nodes per attempt) and the recovery times of the summary. It holds no training
+state: losing it loses only the display.
+"""
+from __future__ import annotations
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class RunMonitor:
+    def __init__(self):
+        self._attempts: list[dict] = []
+        self._workers: dict[str, dict[int, dict]] = {}
+        self._latest: dict | None = None
+
+    def attempt_started(self, token: str, record: dict) -> None:
+        self._attempts.append({**record, "token": token, "index": len(self._attempts), "first_step_at": None,
+                               "last_step_at": None, "first_step": None, "last_step": None})
+
+    def worker_started(self, token: str, rank: int, info: dict) -> None:
+        self._workers.setdefault(token, {})[rank] = info
+
+    def step_done(self, token: str, event: dict) -> None:
+        attempt = next((a for a in self._attempts if a["token"] == token), None)
+        if attempt is not None:
+            if attempt["first_step_at"] is None:
+                attempt["first_step_at"], attempt["first_step"] = event["time"], event["step"]
+            attempt["last_step_at"], attempt["last_step"] = event["time"], event["step"]
+        self._latest = {**event, "attempt": attempt["index"] if attempt else None}
+
+    def snapshot(self) -> dict:
+        attempts = [{**a, "workers": dict(sorted(self._workers.get(a["token"], {}).items()))} for a in self._attempts]
+        return {"attempts": attempts, "latest": self._latest}
+
+
+def start_monitor():
+    """A RunMonitor pinned to this (the driver's) node, so losing a worker node never loses it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return RunMonitor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()

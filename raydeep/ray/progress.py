@@ -1,0 +1,82 @@
+"""Driver-side watching: poll the RunMonitor while ``fit()`` blocks, and draw a progress bar."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+
+logger = logging.getLogger("raydeep")
+
+
+class MonitorPoller(threading.Thread):
+    """Polls the monitor every ``interval_s`` and hands each snapshot to the callbacks.
+
+    Runs beside ``trainer.fit()`` (which keeps the main thread, so Ctrl-C still aborts the run
+    gracefully through Ray Train's handler). ``last`` is the newest snapshot after ``stop()``.
+    """
+
+    def __init__(self, monitor, callbacks, interval_s: float = 0.25):
+        super().__init__(name="raydeep-monitor-poller", daemon=True)
+        self.monitor, self.callbacks, self.interval_s = monitor, [c for c in callbacks if c], interval_s
+        self.last: dict = {"attempts": [], "latest": None}
+        self._stop_event = threading.Event()
+
+    def poll(self) -> dict:
+        try:
+            self.last = ray.get(self.monitor.snapshot.remote(), timeout=10)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            return self.last  # a busy or lost monitor costs only the display
+        for callback in list(self.callbacks):
+            try:
+                callback(self.last)
+            except Exception:  # noqa: BLE001 - a broken display must not stop the run
+                logger.exception("progress callback %r failed; it is not called again", callback)
+                self.callbacks.remove(callback)
+        return self.last
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            self.poll()
+
+    def stop(self) -> dict:
+        self._stop_event.set()
+        self.join(timeout=30)
+        return self.poll()
+
+
+class ProgressBar:
+    """A rich progress bar of the global step, with the loss, the world size and restarts."""
+
+    def __init__(self, total_steps: int, console=None):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = console or Console()
+        columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                   TextColumn("workers {task.fields[world]}"), TimeRemainingColumn()]
+        self.progress = Progress(*columns, console=self.console)
+        self.task = self.progress.add_task("train", total=total_steps, loss="-", world="-")
+        self._attempts_shown = 0
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def __call__(self, snapshot: dict) -> None:
+        attempts = snapshot["attempts"]
+        for attempt in attempts[self._attempts_shown:]:
+            how = "started" if attempt["index"] == 0 else "restarted"
+            self.console.print(f"worker group {how}: {attempt['world_size']} workers (micro batch "
+                               f"{attempt['micro_batch']} x {attempt['grad_accum']} accumulation), from step "
+                               f"{attempt['resumed_from_step']}")
+        self._attempts_shown = len(attempts)
+        latest = snapshot["latest"]
+        if latest:
+            world = attempts[latest["attempt"]]["world_size"] if latest.get("attempt") is not None else "-"
+            self.progress.update(self.task, completed=latest["step"], loss=f"{latest['loss']:.3f}", world=world)
+        elif attempts:
+            self.progress.update(self.task, completed=attempts[-1]["resumed_from_step"])

@@ -1,0 +1,65 @@
+"""``<storage>/<name>/summary.json``: what a run did, in numbers two runs can be compared by.
+
+- ``param_sha256``: digest of the consolidated fp32 parameters (:mod:`raydeep.ray.weights`);
+- ``samples_sha256``: the sample ledger's digest of the ids consumed, in order (:mod:`raydeep.ray.ledger`);
+- ``world_sizes``: one entry per attempt, earlier drivers' attempts (from the checkpoint's history)
+  followed by this driver's (from the monitor, including attempts that died before checkpointing);
+- ``recoveries``: for each restart seen by this driver, the stall between the last step of the
+  failed attempt and the first step of the next one (the kill itself happened in between);
+- ``samples_per_s``: samples this driver advanced the run by, over its wall time (start-up and
+  recoveries included);
+- ``memory_rank0``: rank 0's model-state bytes as the engine measures them (``memory_breakdown()``).
+"""
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+
+
+ATTEMPT_FIELDS = ("world_size", "micro_batch", "grad_accum", "resumed_from_step")
+
+
+def build_summary(spec, result: dict, snapshot: dict, driver_id: str, started: float, ended: float) -> dict:
+    seen = snapshot.get("attempts", [])
+    earlier = [a for a in result["attempts"] if a["driver"] != driver_id]
+    attempts = [{k: a[k] for k in ATTEMPT_FIELDS} for a in earlier + seen]
+    first_step = seen[0]["resumed_from_step"] if seen else result["global_steps"]
+    advanced = result["global_samples"] - first_step * result["train_batch_size"]
+    elapsed = max(ended - started, 1e-9)
+    return {
+        "name": spec.name, "storage": spec.run_uri, "model": spec.model, "data": spec.data,
+        "zero_stage": result["zero_stage"], "train_batch_size": result["train_batch_size"],
+        "num_parameters": result["num_parameters"], "memory_rank0": result["memory"],
+        "first_loss": result["first_loss"], "final_loss": result["final_loss"], "global_steps": result["global_steps"],
+        "global_samples": result["global_samples"],
+        "world_sizes": [a["world_size"] for a in attempts], "restarts": max(len(attempts) - 1, 0),
+        "attempts": attempts, "recoveries": recoveries(seen),
+        "samples_per_s": advanced / elapsed, "elapsed_s": elapsed,
+        "param_sha256": result["param_sha256"], "samples_sha256": result["samples_sha256"],
+    }
+
+
+def recoveries(attempts: list[dict]) -> list[dict]:
+    out = []
+    for before, after in zip(attempts, attempts[1:]):
+        stall = None
+        if before.get("last_step_at") and after.get("first_step_at"):
+            stall = after["first_step_at"] - before["last_step_at"]
+        out.append({"attempt": after["index"], "world_size": after["world_size"],
+                    "last_step_before": before.get("last_step"), "resumed_from_step": after["resumed_from_step"],
+                    "stall_s": stall})
+    return out
+
+
+def write_json(uri: str, data: dict) -> None:
+    fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as sink:
+        sink.write((json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(uri: str) -> dict:
+    fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
+    with fs.open_input_stream(path) as source:
+        return json.loads(source.read())

@@ -1,0 +1,44 @@
+"""``raydeep train``: run a TrainSpec with a progress bar and print the summary."""
+from __future__ import annotations
+
+
+def run_train_command(spec, address: str | None = None, verbose: bool = False) -> int:
+    """Train, show progress, print the summary; 0 on success, 1 when the run failed."""
+    from rich.console import Console
+
+    from raydeep.ray.progress import ProgressBar
+    from raydeep.ray.trainer import fit
+
+    console = Console()
+    workers = spec.num_workers if isinstance(spec.num_workers, int) else f"{spec.min_workers}-{spec.max_workers}"
+    console.print(f"raydeep train: {spec.model} on {spec.data} data, {workers} {'GPU' if spec.use_gpu else 'CPU'} "
+                  f"workers, to step {spec.steps}, run {spec.run_uri}")
+    try:
+        with ProgressBar(spec.steps, console) as bar:
+            summary = fit(spec, on_progress=bar, address=address, log_to_driver=verbose)
+    except Exception as exc:  # noqa: BLE001 - Ray Train's failure types vary; show the message, not a trace
+        from raydeep.errors import RaydeepError
+
+        if isinstance(exc, RaydeepError):
+            raise
+        console.print(f"[red]training failed:[/red] {exc}")
+        console.print(f"re-run with --name {spec.name} --storage-path {spec.storage_path} to resume from the last "
+                      "checkpoint")
+        return 1
+    print_summary(console, summary)
+    return 0
+
+
+def print_summary(console, summary: dict) -> None:
+    restarts = f", {summary['restarts']} restart(s)" if summary["restarts"] else ""
+    console.print(f"done: step {summary['global_steps']}, {summary['global_samples']} samples, final loss "
+                  f"{summary['final_loss']:.4f}, {summary['samples_per_s']:.1f} samples/s, world sizes "
+                  f"{summary['world_sizes']}{restarts}")
+    for recovery in summary["recoveries"]:
+        stall = f"{recovery['stall_s']:.1f} s" if recovery["stall_s"] is not None else "unknown"
+        console.print(f"  restart to {recovery['world_size']} workers: resumed at step "
+                      f"{recovery['resumed_from_step']} (last step before: {recovery['last_step_before']}), "
+                      f"training stalled {stall}")
+    console.print(f"param_sha256   {summary['param_sha256']}")
+    console.print(f"samples_sha256 {summary['samples_sha256']}")
+    console.print(f"summary: {summary['storage']}/summary.json")

@@ -1,0 +1,44 @@
+"""The same training as a Ray run, in plain gloo processes and without raydeep.ray's loop: the
+engine through ``raydeep.initialize``, the samples read straight from the documented order, the
+weights gathered with ``GatheredParameters``. A Ray run must reproduce it."""
+from __future__ import annotations
+
+import torch
+
+
+def train_plain(spec, steps: int) -> dict:
+    """Run on every rank of a gloo group (tests.dist.harness); returns full fp32 parameters and losses."""
+    import torch.distributed as dist
+
+    import raydeep
+    from raydeep.data import builtin_dataset
+    from raydeep.models import build_gpt
+    from raydeep.ray.batch_plan import plan_batches
+    from raydeep.ray.ledger import SampleOrder
+    from raydeep.zero import GatheredParameters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    ds_config = spec.resolved_ds_config()
+    config = plan_batches(ds_config, world, world).engine_config(ds_config, world)
+    torch.manual_seed(spec.seed)
+    model = build_gpt(spec.model)
+    engine, *_ = raydeep.initialize(model=model, config=config)
+    data = builtin_dataset(model.config.block_size)
+    order = SampleOrder(len(data), spec.seed)
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    batch, losses = engine.train_batch_size(), []
+    for step in range(steps):
+        total = 0.0
+        for k in range(accum):
+            ids = order.ids(step * batch + (k * world + rank) * micro, micro)
+            x = torch.stack([data[int(i)][0] for i in ids])
+            y = torch.stack([data[int(i)][1] for i in ids])
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / accum)
+    with GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {"params": params, "losses": losses}
