@@ -40,13 +40,12 @@ def reshard(src: str, out: str, world_size: int, tag: str | None = None) -> str:
     writer.prepare()
     files = {}
     for rank in range(world_size):
-        tensors, pieces = {}, []
+        packed = fmt.PackedFile()
         for slot, lo, hi in layout.pieces_of_rank(rank):
-            for kind in reader.state_kinds:
-                tensors[fmt.piece_key(kind, slot.name, lo)] = reader.read_range(kind, slot.name, lo, hi)
-            pieces.append([slot.name, lo, hi])
+            packed.add(slot.name, lo, hi, {kind: reader.read_range(kind, slot.name, lo, hi)
+                                           for kind in reader.state_kinds})
         name = fmt.rank_file(rank, world_size)
-        files[name] = {**writer.write_file(name, fmt.encode(tensors)), "pieces": pieces}
+        files[name] = {**writer.write_file(name, fmt.encode(packed.tensors())), "pieces": packed.pieces}
     if fmt.EXTRA_FILE in reader.manifest["files"]:
         files[fmt.EXTRA_FILE] = writer.write_file(fmt.EXTRA_FILE, fmt.encode(reader.extra()))
     manifest = copy.deepcopy(reader.manifest)

@@ -12,9 +12,11 @@
 
 Each rank file holds *pieces*: the element range ``[start, end)`` of one flattened parameter,
 for each kind of state: ``fp32`` (the master weights) and every per-element optimizer state
-(``exp_avg``, ``exp_avg_sq``, ...). A piece's tensor key is ``"<kind>/<param>@<start>"``. The
-manifest lists, per file, its pieces and its sha256, so a loader at any world size and stage
-finds which files hold the ranges it now owns and verifies them before use. Everything else
+(``exp_avg``, ``exp_avg_sq``, ...). A file has one flat tensor per kind, named after the kind,
+with the pieces packed one after another; the manifest lists, per file, its pieces as
+``[param, start, end, offset]`` and its sha256, so a loader at any world size and stage finds
+which files hold the ranges it now owns and verifies them before use. (Few large tensors keep
+serialising cheap, which matters for a save running beside training.) Everything else
 (counters, scheduler, loss scaler, optimizer hyperparameters, RNG states) is plain JSON in
 the manifest: loading never unpickles.
 """
@@ -41,8 +43,29 @@ def rank_file(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def piece_key(kind: str, name: str, start: int) -> str:
-    return f"{kind}/{name}@{start}"
+class PackedFile:
+    """Builds one rank file: pieces appended to one flat tensor per kind.
+
+    >>> f = PackedFile()
+    >>> f.add("w", 2, 5, {"fp32": torch.arange(3.0)}); f.add("b", 0, 1, {"fp32": torch.ones(1)})
+    >>> f.pieces, f.tensors()["fp32"].tolist()
+    ([['w', 2, 5, 0], ['b', 0, 1, 3]], [0.0, 1.0, 2.0, 1.0])
+    """
+
+    def __init__(self):
+        self.pieces: list[list] = []
+        self._chunks: dict[str, list[torch.Tensor]] = {}
+        self._offset = 0
+
+    def add(self, name: str, start: int, end: int, by_kind: dict[str, torch.Tensor]) -> None:
+        self.pieces.append([name, start, end, self._offset])
+        for kind, values in by_kind.items():
+            self._chunks.setdefault(kind, []).append(values.detach().reshape(-1))
+        self._offset += end - start
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """One copy of every piece (so later updates to the sources do not reach the file)."""
+        return {kind: torch.cat(chunks) if chunks else torch.zeros(0) for kind, chunks in self._chunks.items()}
 
 
 def default_tag(global_steps: int) -> str:
@@ -77,7 +100,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def to_json(obj, where: str) -> str:
     try:
-        return json.dumps(obj, indent=1, sort_keys=False, allow_nan=True)
+        # Compact: the manifest is rewritten on every save, and piece lists and RNG states are long.
+        return json.dumps(obj, separators=(",", ":"), allow_nan=True)
     except TypeError as err:
         raise TypeError(f"{where} must be JSON-serialisable (numbers, strings, lists, dicts) or tensors: {err}") \
             from err

@@ -36,11 +36,11 @@ class CheckpointReader:
     def __init__(self, storage: Storage, tag: str, manifest: dict):
         self.storage, self.tag, self.manifest = storage, tag, manifest
         self._files: dict[str, dict[str, torch.Tensor]] = {}
-        # name -> [(start, end, file)] over every file's pieces, for range lookups.
-        self._where: dict[str, list[tuple[int, int, str]]] = {}
+        # name -> [(start, end, file, offset)] over every file's pieces, for range lookups.
+        self._where: dict[str, list[tuple[int, int, str, int]]] = {}
         for file, entry in manifest["files"].items():
-            for name, start, end in entry.get("pieces", []):
-                self._where.setdefault(name, []).append((start, end, file))
+            for name, start, end, offset in entry.get("pieces", []):
+                self._where.setdefault(name, []).append((start, end, file, offset))
         for spans in self._where.values():
             spans.sort()
 
@@ -111,12 +111,12 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: parameter {name!r} is not in this checkpoint")
         out = torch.empty(end - start, dtype=self._dtype(kind))
         covered = 0
-        for lo, hi, file in self._where[name]:
+        for lo, hi, file, offset in self._where[name]:
             s, e = max(lo, start), min(hi, end)
             if s >= e:
                 continue
-            piece = self.file(file)[fmt.piece_key(kind, name, lo)]
-            out[s - start:e - start] = piece[s - lo:e - lo]
+            packed = self.file(file)[kind]
+            out[s - start:e - start] = packed[offset + s - lo:offset + e - lo]
             covered += e - s
         if covered != end - start:
             raise CheckpointError(f"{self.path}: the files cover {covered} of elements [{start}, {end}) "

@@ -2,8 +2,8 @@
 
 Each rank saves, for every FlatUnit, the element ranges it owns: its shard for stages 1-3, and
 for stage 0 (where every rank holds everything) an even split of each unit across the ranks, so
-the save is shared out in every stage. Tensors are copied (the snapshot must not change while
-an asynchronous write is in flight); padding is never saved.
+the save is shared out in every stage. Pieces are copied once, packed per kind (the snapshot must
+not change while an asynchronous write is in flight); padding is never saved.
 """
 from __future__ import annotations
 
@@ -51,17 +51,16 @@ def pieces_in(unit, start: int, end: int):
 def take(engine, client_state: dict | None) -> RankSnapshot:
     """This rank's snapshot of ``engine``; rank 0 also fills the model-wide parts."""
     snap = RankSnapshot(rng=_rng_state())
-    optimizer = engine.optimizer
+    optimizer, packed = engine.optimizer, fmt.PackedFile()
     for unit in engine.strategy.units:
         state = optimizer.state.get(unit.master, {})
         per_element = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == unit.master.shape}
         start, end, base = owned_range(unit, engine.rank, engine.world_size)
         for slot, s, e in pieces_in(unit, start, end):
-            first = s - slot.offset
-            snap.tensors[fmt.piece_key(fmt.MASTER, slot.name, first)] = unit.master.detach()[s - base:e - base].clone()
-            for kind, value in per_element.items():
-                snap.tensors[fmt.piece_key(kind, slot.name, first)] = value[s - base:e - base].clone()
-            snap.pieces.append([slot.name, first, e - slot.offset])
+            by_kind = {fmt.MASTER: unit.master.detach()[s - base:e - base]}
+            by_kind.update({kind: value[s - base:e - base] for kind, value in per_element.items()})
+            packed.add(slot.name, s - slot.offset, e - slot.offset, by_kind)
+    snap.tensors, snap.pieces = packed.tensors(), packed.pieces
     if engine.rank == 0:
         snap.manifest = _model_wide_state(engine)
         snap.extra = _extra_tensors(engine, client_state or {})

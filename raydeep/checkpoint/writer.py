@@ -123,17 +123,16 @@ def write_single(directory: str | Storage, tag: str, masters: dict[str, torch.Te
     storage = directory if isinstance(directory, Storage) else Storage.open(directory)
     writer = TagWriter(storage, tag)
     writer.prepare()
-    tensors, pieces, params = {}, [], {}
+    packed, params = fmt.PackedFile(), {}
     for name, weight in masters.items():
         params.setdefault(name, {"shape": list(weight.shape), "dtype": "float32", "group": 0})
-        flat = weight.detach().float().reshape(-1)
-        tensors[fmt.piece_key(fmt.MASTER, name, 0)] = flat
-        for kind, per_param in (states or {}).items():
-            tensors[fmt.piece_key(kind, name, 0)] = per_param[name].detach().reshape(-1)
-        pieces.append([name, 0, flat.numel()])
+        by_kind = {fmt.MASTER: weight.detach().float()}
+        by_kind.update({kind: per_param[name] for kind, per_param in (states or {}).items()})
+        packed.add(name, 0, weight.numel(), by_kind)
     for name, spec in manifest_fields.pop("params", {}).items():
         params[name] = {**params.get(name, {}), **spec}
-    files = {fmt.rank_file(0, 1): {**writer.write_file(fmt.rank_file(0, 1), fmt.encode(tensors)), "pieces": pieces}}
+    name = fmt.rank_file(0, 1)
+    files = {name: {**writer.write_file(name, fmt.encode(packed.tensors())), "pieces": packed.pieces}}
     if extra:
         files[fmt.EXTRA_FILE] = writer.write_file(fmt.EXTRA_FILE, fmt.encode(extra))
     if states and "optimizer" not in manifest_fields:

@@ -77,7 +77,7 @@ def test_manifest_is_plain_json_with_digests(tmp_path):
     manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
     entry = manifest["files"][fmt.rank_file(0, 1)]
     assert entry["sha256"] == fmt.sha256((tmp_path / "t" / fmt.rank_file(0, 1)).read_bytes())
-    assert sorted(map(tuple, entry["pieces"])) == [("b", 0, 2), ("w", 0, 12)]
+    assert sorted(map(tuple, entry["pieces"])) == [("b", 0, 2, 12), ("w", 0, 12, 0)]
     assert manifest["params"]["w"]["shape"] == [3, 4]
 
 

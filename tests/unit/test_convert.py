@@ -113,7 +113,7 @@ def test_reshard_splits_every_state_evenly(ckpt, tmp_path, capsys):
     share = math.ceil(total / 3)
     for rank in range(3):
         pieces = resharded.manifest["files"][fmt.rank_file(rank, 3)]["pieces"]
-        assert sum(end - start for _, start, end in pieces) == min(share, total - rank * share)
+        assert sum(end - start for _, start, end, _ in pieces) == min(share, total - rank * share)
     for kind in original.state_kinds:
         for name in WEIGHTS:
             assert torch.equal(original.full(kind, name), resharded.full(kind, name))
