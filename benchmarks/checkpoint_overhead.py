@@ -33,7 +33,7 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
     model = build_gpt(args.model)
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": args.stage}, "raydeep": {"checkpoint_keep_last_k": 2}}
+              "zero_optimization": {"stage": args.stage}, "raydeep": {"checkpoint_keep_last_k": 2, "checkpoint_fsync": not args.no_fsync}}
     engine, *_ = raydeep.initialize(model=model, config=config)
     seq = model.config.block_size
     g = torch.Generator().manual_seed(rank)
@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--model", default="gpt-tiny")
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--no-fsync", action="store_true", help="raydeep.checkpoint_fsync=false")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per rank (default: cores / ranks); fewer leaves a core to the writer")
     parser.add_argument("--json", help="also write the result here")
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     result = measure(args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
     print(f"{args.model}, ZeRO-{args.stage}, {args.world} ranks x {threads} torch threads on {os.cpu_count()} cores, "
-          f"{args.steps} steps, checkpoint after every step")
+          f"{args.steps} steps, checkpoint after every step{' (no fsync)' if args.no_fsync else ''}")
     for mode in MODES:
         print(f"  {mode:>5}: median step {result['median_step_s'][mode] * 1000:8.1f} ms   "
               f"x{result['ratio_vs_none'][mode]:.3f} vs none")

@@ -70,7 +70,8 @@ class Checkpointer:
     def _write_and_commit(self, storage: Storage, tag: str, snap: snapshot.RankSnapshot, save_latest: bool,
                           keep_last_k: int | None) -> None:
         rank, world = self.engine.rank, self.engine.world_size
-        writer = TagWriter(storage, tag)
+        config = getattr(self.engine, "config", None)
+        writer = TagWriter(storage, tag, fsync=config.raydeep.checkpoint_fsync if config is not None else True)
         self._agree("prepare", writer.prepare if rank == 0 else (lambda: None))
 
         def write_own_files():

@@ -27,7 +27,6 @@ import json
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from raydeep.errors import CheckpointError
 
@@ -72,12 +71,43 @@ def default_tag(global_steps: int) -> str:
     return f"global_step{global_steps}"
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+# safetensors' dtype codes.
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
 
 
-def encode(tensors: dict[str, torch.Tensor]) -> bytes:
-    return st_save({k: t.detach().contiguous() for k, t in tensors.items()})
+def sha256(data: bytes | list) -> str:
+    digest = hashlib.sha256()
+    for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+        digest.update(chunk)  # releases the GIL for large buffers
+    return digest.hexdigest()
+
+
+def encode(tensors: dict[str, torch.Tensor]) -> list:
+    """A safetensors file as buffers: the header, then each tensor's own memory (no copy).
+
+    A save running beside training must not hold the GIL: serialising into one bytes object
+    does, for milliseconds per megabyte, while writing and hashing these buffers does not.
+    The layout is safetensors' (8-byte header length, JSON header padded to 8 bytes, data), so
+    ``decode`` reads it with the safetensors library, which validates it.
+    """
+    header, chunks, offset = {}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in a checkpoint")
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.numel()]}
+        chunks.append(memoryview(raw.numpy()))
+        offset += raw.numel()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text] + chunks
+
+
+def encoded_size(chunks: list) -> int:
+    return sum(memoryview(c).nbytes for c in chunks)
 
 
 def decode(data: bytes, where: str) -> dict[str, torch.Tensor]:

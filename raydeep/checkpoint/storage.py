@@ -52,18 +52,24 @@ class Storage:
         return posixpath.join(base, rel) if rel else base
 
     # --- files ----------------------------------------------------------------------------------
-    def write(self, rel: str, data: bytes) -> None:
-        """Write a whole file; on local disks it is fsynced before returning."""
+    def write(self, rel: str, data: bytes | list, fsync: bool = True) -> None:
+        """Write a whole file from bytes or a list of buffers; on local disks it is fsynced
+        before returning unless ``fsync=False`` (then a process crash still cannot lose it, but
+        a machine crash can)."""
         path = self.path(rel)
+        chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
         self.fs.create_dir(posixpath.dirname(path), recursive=True)
         if self.is_local:
             with open(path, "wb") as f:
-                f.write(data)
+                for chunk in chunks:
+                    f.write(chunk)
                 f.flush()
-                os.fsync(f.fileno())
+                if fsync:
+                    os.fsync(f.fileno())
         else:
             with self.fs.open_output_stream(path) as f:
-                f.write(data)
+                for chunk in chunks:
+                    f.write(chunk)
 
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Replace a small file so readers see the old or the new content, never a mix."""

@@ -26,10 +26,10 @@ logger = logging.getLogger("raydeep")
 class TagWriter:
     """The files of one tag being written, and their commit."""
 
-    def __init__(self, storage: Storage, tag: str):
+    def __init__(self, storage: Storage, tag: str, fsync: bool = True):
         if not tag or "/" in tag or tag.startswith("."):
             raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' and not start with '.'")
-        self.storage, self.tag = storage, tag
+        self.storage, self.tag, self.fsync = storage, tag, fsync
         # Object stores cannot rename a directory: they write in place and commit by the manifest.
         self.staging = f".{tag}.staging" if storage.is_local else tag
 
@@ -42,10 +42,11 @@ class TagWriter:
             self.storage.fs.delete_file(self.storage.path(f"{self.tag}/{fmt.MANIFEST}"))
         self.storage.make_dir(self.staging)
 
-    def write_file(self, name: str, data: bytes) -> dict:
-        """Write one file of the tag; returns its manifest entry (digest and size)."""
-        self.storage.write(f"{self.staging}/{name}", data)
-        return {"sha256": fmt.sha256(data), "bytes": len(data)}
+    def write_file(self, name: str, data: bytes | list) -> dict:
+        """Write one file of the tag (bytes, or buffers from ``format.encode``); returns its
+        manifest entry (digest and size)."""
+        self.storage.write(f"{self.staging}/{name}", data, fsync=self.fsync)
+        return {"sha256": fmt.sha256(data), "bytes": fmt.encoded_size([data] if isinstance(data, bytes) else data)}
 
     def commit(self, manifest: dict, save_latest: bool = True, keep_last_k: int | None = None) -> None:
         """Rank 0, after every rank's files are durable: make the tag visible, then ``latest``."""

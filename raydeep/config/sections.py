@@ -256,5 +256,9 @@ class RaydeepSection(Section):
     seed: int = 1234
     # engine.save_checkpoint writes in a background thread (training continues; the next save waits).
     checkpoint_async: Flag = False
+    # fsync every checkpoint file before the commit, so even a machine crash cannot leave a
+    # committed tag with missing data. Turning it off makes frequent saves much cheaper; a killed
+    # process still loses nothing, and a file lost to a machine crash fails its checksum on load.
+    checkpoint_fsync: Flag = True
     # Keep only the newest K committed checkpoints under a save_dir (None keeps all).
     checkpoint_keep_last_k: int | None = Field(None, ge=1)

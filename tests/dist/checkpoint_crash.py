@@ -24,10 +24,10 @@ def _die_at(point: str) -> None:
 
     write, rename, atomic = Storage.write, Storage.rename_dir, Storage.write_atomic
 
-    def patched_write(self, rel, data):
+    def patched_write(self, rel, data, **kwargs):
         if point == "before-manifest" and rel.endswith(fmt.MANIFEST):
             os._exit(KILLED)
-        write(self, rel, data)
+        write(self, rel, data, **kwargs)
         if point == "first-file" and "doomed" in rel:
             os._exit(KILLED)
 

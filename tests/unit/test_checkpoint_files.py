@@ -118,3 +118,17 @@ def test_leftovers_of_interrupted_saves_are_removed_at_the_next_commit(tmp_path)
     (tmp_path / ".crashed.staging" / "rank00000-of-00001.safetensors").write_bytes(b"half")
     _write(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+
+
+def test_encoded_files_are_safetensors_for_every_dtype_and_shape():
+    from safetensors.torch import load
+
+    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).bfloat16(), "f16": torch.randn(2, 2).half(),
+               "i64": torch.arange(7), "u8": torch.tensor([1, 2, 255], dtype=torch.uint8),
+               "flag": torch.tensor([True, False]), "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4)}
+    chunks = fmt.encode(tensors)
+    data = b"".join(bytes(c) for c in chunks)
+    assert fmt.encoded_size(chunks) == len(data) and fmt.sha256(chunks) == fmt.sha256(data)
+    back = load(data)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
