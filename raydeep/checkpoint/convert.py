@@ -121,7 +121,7 @@ def run_convert(args: argparse.Namespace) -> int:
 def _looks_like_deepspeed(src: str) -> bool:
     """A local directory holding DeepSpeed's files, itself or in the tag its ``latest`` names."""
     try:
-        from raydeep.checkpoint.deepspeed_import import locate
+        from raydeep.checkpoint.deepspeed_files import locate
 
         locate(src)
         return True

@@ -17,22 +17,22 @@ skipping ``param_alignment_paddings``; stage 3 takes ``ceil(numel / world)`` ele
 parameter from every rank's flat sub-group. The per-element optimizer states (``exp_avg``,
 ``exp_avg_sq``...) are flat tensors of the same layout and are cut with the same offsets.
 
-Loading never runs code from the files: ``torch.load(weights_only=True)``, with every class the
-pickle names (DeepSpeed's loss scaler, ``ZeroStageEnum``, ``fragment_address``...) mapped to an
-inert stand-in that only records its arguments and attributes. DeepSpeed need not be installed.
+Loading never runs code from the files (:mod:`raydeep.checkpoint.safe_torch_load`): DeepSpeed's
+loss scaler, ``ZeroStageEnum``, ``fragment_address``... become inert stand-ins, so DeepSpeed
+need not be installed. The files are found by :mod:`raydeep.checkpoint.deepspeed_files`.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from raydeep.checkpoint import format as fmt
+from raydeep.checkpoint.deepspeed_files import DeepSpeedFiles, locate
+from raydeep.checkpoint.safe_torch_load import StandIn, safe_load
 from raydeep.checkpoint.writer import write_single
 from raydeep.errors import CheckpointError
 
@@ -48,123 +48,6 @@ _ENGINE_KEYS = frozenset({
 # torch optimizer param-group entries that choose an implementation rather than the maths: the
 # loading run keeps its own (copying DeepSpeed's ``fused: None`` would switch a fused optimizer off).
 _IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
-_OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
-# --- loading without unpickling code ---------------------------------------------------------------
-class StandIn:
-    """An inert replacement for a class a checkpoint names: it records the arguments it was
-    called with (``args``; an enum member's value is ``args[0]``) and the attributes the pickle
-    sets, and does nothing else."""
-
-    source = "?"  # the dotted name the pickle used
-
-    def __new__(cls, *args, **kwargs):
-        obj = super().__new__(cls)
-        obj.args = args
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        if isinstance(state, tuple) and len(state) == 2:
-            state, slots = state
-            if isinstance(slots, dict):
-                self.__dict__.update(slots)
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-    @property
-    def value(self):
-        return self.args[0] if self.args else None
-
-    def __repr__(self) -> str:
-        return f"<stand-in for {self.source} args={self.args} {vars(self)}>"
-
-
-_STAND_INS: dict[str, type] = {}
-
-
-def _stand_in(name: str) -> type:
-    if name not in _STAND_INS:
-        _STAND_INS[name] = type(name.rsplit(".", 1)[-1], (StandIn,), {"source": name})
-    return _STAND_INS[name]
-
-
-def safe_load(path: str):
-    """``torch.load`` of a DeepSpeed file with ``weights_only=True``; classes become stand-ins."""
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except (ValueError, RuntimeError, OSError) as err:
-        raise CheckpointError(f"{path}: not a readable torch.save file ({err})") from err
-    try:
-        with torch.serialization.safe_globals([(_stand_in(name), name) for name in names]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # the weights-only unpickler raises several types for a hostile or broken file
-        # torch's message is a page of advice; the line naming the refused global is the news.
-        lines = [line for line in str(err).splitlines() if "GLOBAL" in line] or [str(err)[:500]]
-        raise CheckpointError(f"{path}: cannot be loaded safely ({type(err).__name__}: {lines[0].strip()})") from err
-
-
-# --- locating the files ----------------------------------------------------------------------------
-@dataclass
-class DeepSpeedFiles:
-    tag: str
-    directory: str                    # <save_dir>/<tag>
-    model_files: list[str]            # one (stages 1-2) or one per rank (stage 3), rank order
-    optim_files: list[str]            # one per data-parallel rank, rank order
-
-
-def _natural(text: str):
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
-
-
-def locate(src: str, tag: str | None = None) -> DeepSpeedFiles:
-    """The files of one DeepSpeed checkpoint: ``src`` is the save directory (its ``latest``
-    names the tag unless ``tag`` is given) or a tag directory itself."""
-    if "://" in src:
-        raise CheckpointError(f"{src}: DeepSpeed checkpoints are read from a local directory; copy it locally first")
-    if not os.path.isdir(src):
-        raise CheckpointError(f"{src} is not a directory: pass the directory given to DeepSpeed's save_checkpoint")
-    if tag is None and os.path.isfile(os.path.join(src, "latest")):
-        with open(os.path.join(src, "latest")) as f:
-            tag = f.read().strip()
-    if tag is not None:
-        directory = os.path.join(src, tag)
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"{directory} does not exist (tag {tag!r})")
-    elif glob.glob(os.path.join(src, "*_model_states.pt")) or glob.glob(os.path.join(src, "*_optim_states.pt")):
-        directory, tag = src, os.path.basename(os.path.normpath(src))
-    else:
-        raise CheckpointError(f"{src} is not a DeepSpeed checkpoint: it has no 'latest' file and no "
-                              "*_states.pt files; pass --tag or the tag directory")
-    names = sorted(os.listdir(directory), key=_natural)
-    if any(n.startswith("expp_rank_") or n.startswith("layer_") for n in names):
-        raise CheckpointError(f"{directory} holds mixture-of-experts or pipeline-parallel files "
-                              "(expp_rank_*/layer_*): only data-parallel ZeRO checkpoints can be imported")
-    optim = [n for n in names if _OPTIM_FILE.match(n)]
-    if any(_OPTIM_FILE.match(n).group(3) != "00" for n in optim):
-        raise CheckpointError(f"{directory} has tensor-parallel ranks (mp_rank_01...): only mp_rank_00 "
-                              "checkpoints can be imported")
-    if not optim:
-        raise CheckpointError(f"{directory} has no *_optim_states.pt files: not a ZeRO checkpoint "
-                              "(stage 0 saves no optimizer partitions)")
-    ranks = sorted(int(_OPTIM_FILE.match(n).group(2)) for n in optim)
-    if ranks != list(range(len(ranks))):
-        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
-        raise CheckpointError(f"{directory}: optimizer files of data-parallel rank(s) {missing} are missing")
-    optim.sort(key=lambda n: int(_OPTIM_FILE.match(n).group(2)))
-    stage3 = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks]
-    if all(n in names for n in stage3):
-        models = stage3
-    elif "mp_rank_00_model_states.pt" in names:
-        models = ["mp_rank_00_model_states.pt"]
-    else:
-        raise CheckpointError(f"{directory}: model states file missing (mp_rank_00_model_states.pt for stages 1-2, "
-                              "zero_pp_rank_<r>_mp_rank_00_model_states.pt for every rank at stage 3)")
-    return DeepSpeedFiles(tag, directory, [os.path.join(directory, n) for n in models],
-                          [os.path.join(directory, n) for n in optim])
 
 
 # --- what an import produces -------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from safetensors.torch import save as st_save
 
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.reader import CheckpointReader
-from raydeep.checkpoint.snapshot import pieces_in
+from raydeep.checkpoint.restore import copy_unpartitioned
+from raydeep.checkpoint.snapshot import held_range, pieces_in
 from raydeep.checkpoint.storage import Storage
 from raydeep.errors import CheckpointError
 
@@ -243,29 +244,11 @@ def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool
         raise CheckpointError(f"{where} does not fit this model:\n  " + "\n  ".join(problems[:20]))
     with torch.no_grad():
         for unit in engine.strategy.units:
-            start, end, base = _owned(unit)
+            start, end, base = held_range(unit)
             for slot, s, e in pieces_in(unit, start, end):
                 flat = state_dict[slot.name].reshape(-1)[s - slot.offset:e - slot.offset]
                 unit.master.data[s - base:e - base].copy_(flat)
             used.update(unit.param_names)  # every rank reports the same: each name has an owner somewhere
     engine.strategy.after_step()  # fp32 masters -> model-dtype shards -> full parameters
-    unit_params = {id(p) for unit in engine.strategy.units for p in unit.params}
-    with torch.no_grad():
-        for name, tensor in engine.module.named_buffers():
-            if name in state_dict:
-                tensor.copy_(state_dict[name])
-                used.add(name)
-        for name, p in engine.module.named_parameters():
-            if id(p) not in unit_params and name in state_dict:
-                p.copy_(state_dict[name])
-                used.add(name)
+    used |= copy_unpartitioned(engine, buffers=state_dict, frozen=state_dict)
     return [name for name in state_dict if name not in used]
-
-
-def _owned(unit) -> tuple[int, int, int]:
-    """(start, end, base): the flat range of ``unit`` held in this rank's master, as restore does."""
-    if unit.layout.world_size > 1:
-        start, end = unit.layout.shard_range(unit.rank)
-        return start, min(end, unit.layout.numel), start
-    return 0, unit.layout.numel, 0
-

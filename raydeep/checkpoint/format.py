@@ -106,7 +106,8 @@ def encode(tensors: dict[str, torch.Tensor]) -> list:
     return [len(text).to_bytes(8, "little") + text] + chunks
 
 
-def encoded_size(chunks: list) -> int:
+def encoded_size(data: bytes | list) -> int:
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     return sum(memoryview(c).nbytes for c in chunks)
 
 

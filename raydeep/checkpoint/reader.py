@@ -109,7 +109,7 @@ class CheckpointReader:
         """Elements ``[start, end)`` of flattened parameter ``name``'s state ``kind``."""
         if name not in self._where:
             raise CheckpointError(f"{self.path}: parameter {name!r} is not in this checkpoint")
-        out = torch.empty(end - start, dtype=self._dtype(kind))
+        out = torch.empty(end - start, dtype=self.state_dtype(kind))
         covered = 0
         for lo, hi, file, offset in self._where[name]:
             s, e = max(lo, start), min(hi, end)
@@ -134,7 +134,7 @@ class CheckpointReader:
         """Buffers (``buffer/<name>``), frozen parameters (``frozen/<name>``), client tensors (``client/<key>``)."""
         return self.file(fmt.EXTRA_FILE) if fmt.EXTRA_FILE in self.manifest["files"] else {}
 
-    def _dtype(self, kind: str) -> torch.dtype:
+    def state_dtype(self, kind: str) -> torch.dtype:
         if kind == fmt.MASTER:
             return torch.float32
         return fmt.dtype_from_name(self.manifest["optimizer"]["state_dtypes"].get(kind, "float32"))

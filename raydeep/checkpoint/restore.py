@@ -13,7 +13,7 @@ import torch
 
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.reader import CheckpointReader
-from raydeep.checkpoint.snapshot import pieces_in, restore_rng
+from raydeep.checkpoint.snapshot import held_range, pieces_in, restore_rng
 from raydeep.errors import CheckpointError
 
 logger = logging.getLogger("raydeep")
@@ -85,13 +85,9 @@ def finish(engine, reader: CheckpointReader, states: dict, with_optimizer: bool,
 
 def _load_unit(unit, reader: CheckpointReader, with_optimizer: bool) -> dict[str, torch.Tensor]:
     """Fill this rank's fp32 master range of ``unit``; returns its per-element optimizer states."""
-    if unit.layout.world_size > 1:
-        start, end = unit.layout.shard_range(unit.rank)
-        base, end = start, min(end, unit.layout.numel)
-    else:
-        start, end, base = 0, unit.layout.numel, 0
+    start, end, base = held_range(unit)
     kinds = reader.manifest["optimizer"]["state_keys"] if with_optimizer else []
-    states = {kind: torch.zeros(unit.master.shape, dtype=reader._dtype(kind), device=unit.master.device)
+    states = {kind: torch.zeros(unit.master.shape, dtype=reader.state_dtype(kind), device=unit.master.device)
               for kind in kinds}
     with torch.no_grad():
         for slot, s, e in pieces_in(unit, start, end):
@@ -128,11 +124,22 @@ def _load_optimizer(optimizer, manifest: dict, states: dict[int, dict[str, torch
 
 def _load_extra(engine, reader: CheckpointReader) -> None:
     extra = reader.extra()
+    copy_unpartitioned(engine, buffers={k.removeprefix("buffer/"): v for k, v in extra.items() if k.startswith("buffer/")},
+                       frozen={k.removeprefix("frozen/"): v for k, v in extra.items() if k.startswith("frozen/")})
+
+
+def copy_unpartitioned(engine, buffers: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor]) -> set[str]:
+    """Copy buffers and frozen (not partitioned) parameters into the model by name; returns the
+    names copied."""
+    copied = set()
+    unit_params = {id(p) for unit in engine.strategy.units for p in unit.params}
     with torch.no_grad():
         for name, buf in engine.module.named_buffers():
-            if f"buffer/{name}" in extra:
-                buf.copy_(extra[f"buffer/{name}"])
-        unit_params = {id(p) for unit in engine.strategy.units for p in unit.params}
+            if name in buffers:
+                buf.copy_(buffers[name])
+                copied.add(name)
         for name, p in engine.module.named_parameters():
-            if id(p) not in unit_params and f"frozen/{name}" in extra:
-                p.copy_(extra[f"frozen/{name}"])
+            if id(p) not in unit_params and name in frozen:
+                p.copy_(frozen[name])
+                copied.add(name)
+    return copied

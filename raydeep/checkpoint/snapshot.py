@@ -30,13 +30,20 @@ class RankSnapshot:
     manifest: dict = field(default_factory=dict)
 
 
-def owned_range(unit, rank: int, world_size: int) -> tuple[int, int, int]:
-    """(start, end, base): the flat range of ``unit`` this rank saves, and the flat offset of
-    element 0 of its ``master`` tensor."""
+def held_range(unit) -> tuple[int, int, int]:
+    """(start, end, base): the flat range of ``unit`` this rank's ``master`` holds (its shard; the
+    whole unit for stage 0), padding excluded, and the flat offset of the master's element 0."""
     if unit.layout.world_size > 1:
         lo, hi = unit.layout.shard_range(unit.rank)
         return lo, min(hi, unit.layout.numel), lo
-    lo, hi = UnitLayout(unit.layout.slots, world_size).shard_range(rank)  # stage 0: split the save
+    return 0, unit.layout.numel, 0
+
+
+def owned_range(unit, rank: int, world_size: int) -> tuple[int, int, int]:
+    """Like ``held_range``, but the range this rank *saves*: stage 0 splits each unit across ranks."""
+    if unit.layout.world_size > 1:
+        return held_range(unit)
+    lo, hi = UnitLayout(unit.layout.slots, world_size).shard_range(rank)
     return lo, min(hi, unit.layout.numel), 0
 
 

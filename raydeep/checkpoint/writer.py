@@ -46,7 +46,7 @@ class TagWriter:
         """Write one file of the tag (bytes, or buffers from ``format.encode``); returns its
         manifest entry (digest and size)."""
         self.storage.write(f"{self.staging}/{name}", data, fsync=self.fsync)
-        return {"sha256": fmt.sha256(data), "bytes": fmt.encoded_size([data] if isinstance(data, bytes) else data)}
+        return {"sha256": fmt.sha256(data), "bytes": fmt.encoded_size(data)}
 
     def commit(self, manifest: dict, save_latest: bool = True, keep_last_k: int | None = None) -> None:
         """Rank 0, after every rank's files are durable: make the tag visible, then ``latest``."""

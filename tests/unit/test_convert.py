@@ -16,7 +16,8 @@ import torch
 from raydeep.checkpoint import CheckpointReader, write_single
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.convert import main as convert
-from raydeep.checkpoint.deepspeed_import import import_deepspeed, safe_load
+from raydeep.checkpoint.deepspeed_import import import_deepspeed
+from raydeep.checkpoint.safe_torch_load import safe_load
 from raydeep.checkpoint.export import consolidated_state_dict, load_consolidated, parse_size
 from raydeep.errors import CheckpointError
 
