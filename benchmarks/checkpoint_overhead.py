@@ -6,6 +6,9 @@ Each rank trains the built-in GPT on synthetic tokens; the same engine alternate
 steps with no checkpoint, with ``save_checkpoint(async_save=True)`` after every step, and with
 a synchronous save after every step, ``--steps`` steps of each. It prints the median step time of each mode (the save's
 own call included: that is what training waits for) and the ratios to no checkpointing.
+
+``--world 1 --threads 1`` on a 2-core machine leaves a core to the background writer, as a GPU
+node does; ``--world 2`` there makes the writer compete with training for every cycle.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
                     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), async_save=mode == "async")
                 times[mode].append(time.perf_counter() - start)
             engine.wait_for_checkpoint()  # the next block starts with no save in flight
+    engine.destroy()
     times = {mode: t[args.warmup:] for mode, t in times.items()}
     if rank == 0:
         with open(os.path.join(out_dir, "times.json"), "w") as f:

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import zlib
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint import restore, snapshot
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.checkpoint.storage import Storage
-from raydeep.checkpoint.writer import TagWriter, new_manifest
+from raydeep.checkpoint.writer import TagWriter, committed_tags, new_manifest
 from raydeep.errors import CheckpointError
 
 logger = logging.getLogger("raydeep")
@@ -33,24 +35,43 @@ class Checkpointer:
         self._group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copied = threading.Event()  # set once an asynchronous save has copied the states
+        self._copied.set()
+        self._static: dict | None = None  # manifest fields fixed for this engine (rank 0)
+        self._known_tags: dict[str, list] = {}  # committed tags per save_dir, for retention (rank 0)
 
     # --- save -------------------------------------------------------------------------------------
     def save(self, save_dir, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
              async_save: bool = False, keep_last_k: int | None = None) -> bool:
+        """Training waits only for a snapshot of references and small state: with
+        ``async_save`` the copy of the parameter and optimizer states, the write and every
+        collective of the save run in a background thread (CheckFreq's pipelined snapshot: the
+        copy overlaps the next forward and backward, and the next optimizer step waits for it
+        in ``fence``)."""
         self.wait()  # one save in flight at a time: the previous must be committed first
         if client_state and "checkpoint_parallel_dimensions" in client_state:
             raise KeyError("client_state key 'checkpoint_parallel_dimensions' is reserved")
         tag = str(tag) if tag is not None else fmt.default_tag(self.engine.global_steps)
-        self._validate_tag(tag)
+        TagWriter.check_tag(tag)
         storage = Storage.open(save_dir)
-        snap = snapshot.take(self.engine, client_state)
+        self._coordination_group()  # created here, never beside training collectives in the writer thread
+        if self.engine.rank == 0 and self._static is None:
+            self._static = snapshot.static_state(self.engine)
+        snap = snapshot.take(self.engine, client_state, self._static)
         if async_save:
+            self._copied.clear()
             self._thread = threading.Thread(target=self._background, name="raydeep-checkpoint",
                                             args=(storage, tag, snap, save_latest, keep_last_k))
             self._thread.start()
         else:
+            snap.copy_tensors()
             self._write_and_commit(storage, tag, snap, save_latest, keep_last_k)
         return True
+
+    def fence(self) -> None:
+        """Block until an asynchronous save has copied the states it saves; the engine calls
+        this before it changes parameters or optimizer states."""
+        self._copied.wait()
 
     def wait(self) -> None:
         """Block until an asynchronous save has committed; re-raise its failure here."""
@@ -61,9 +82,13 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _background(self, *args) -> None:
+    def _background(self, storage, tag, snap, *args) -> None:
         try:
-            self._write_and_commit(*args)
+            try:
+                snap.copy_tensors()
+            finally:
+                self._copied.set()
+            self._write_and_commit(storage, tag, snap, *args)
         except BaseException as err:  # surfaced by the next wait()
             self._error = err
 
@@ -71,37 +96,49 @@ class Checkpointer:
                           keep_last_k: int | None) -> None:
         rank, world = self.engine.rank, self.engine.world_size
         config = getattr(self.engine, "config", None)
-        writer = TagWriter(storage, tag, fsync=config.raydeep.checkpoint_fsync if config is not None else True)
-        self._agree("prepare", writer.prepare if rank == 0 else (lambda: None))
+        fsync = config.raydeep.checkpoint_fsync if config is not None else True
 
+        # 1. Rank 0 empties the staging location of its tag; every rank learns every rank's tag.
+        tags = self._agree("prepare", lambda: TagWriter(storage, tag, fsync).prepare() if rank == 0 else None,
+                           same=tag)
+        tag = self._agreed_tag(tags)
+        writer = TagWriter(storage, tag, fsync=fsync)
+
+        # 2. Every rank writes its own file(s); rank 0 collects their digests.
         def write_own_files():
             name = fmt.rank_file(rank, world)
             files = {name: {**writer.write_file(name, fmt.encode(snap.tensors)), "pieces": snap.pieces}}
             if rank == 0:
                 files[fmt.EXTRA_FILE] = writer.write_file(fmt.EXTRA_FILE, fmt.encode(snap.extra))
-            return files, snap.rng
+            return files, snapshot.rng_json(snap.rng)
         written = self._agree("write", write_own_files, share=True)
 
+        # 3. Rank 0 commits (manifest last, then ``latest``, then retention).
         def commit():
             if rank != 0:
                 return
             files = {name: entry for rank_files, _ in written for name, entry in rank_files.items()}
             manifest = new_manifest(tag, files=files, rng=[rng for _, rng in written], **snap.manifest)
-            writer.commit(manifest, save_latest=save_latest, keep_last_k=keep_last_k)
+            known = self._known_tags.get(storage.uri)
+            writer.commit(manifest, save_latest=save_latest, keep_last_k=keep_last_k, known_tags=known)
+            if known is None:  # first save to this directory: scan it once, then keep the list current
+                self._known_tags[storage.uri] = committed_tags(storage)
         self._agree("commit", commit)
         logger.info("saved checkpoint %s", storage.describe(tag))
 
-    def _validate_tag(self, tag: str) -> None:
-        config = getattr(self.engine, "config", None)
-        mode = config.checkpoint.tag_validation if config is not None else "Warn"
-        if mode == "Ignore":
-            return
-        tags = self._gather(tag)
+    def _agreed_tag(self, tags: list[str]) -> str:
+        """DeepSpeed's ``checkpoint.tag_validation``: ranks must name the same tag. ``Fail`` stops
+        the save everywhere; ``Warn`` and ``Ignore`` save under rank 0's tag, so the files of all
+        ranks still land in one checkpoint."""
         if len(set(tags)) > 1:
+            config = getattr(self.engine, "config", None)
+            mode = config.checkpoint.tag_validation if config is not None else "Warn"
             message = f"checkpoint tag differs across ranks: {tags}"
             if mode == "Fail":
-                raise CheckpointError(message)
-            logger.warning(message)
+                raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
+            if mode == "Warn" and self.engine.rank == 0:
+                logger.warning("%s; saving every rank's files under rank 0's tag %r", message, tags[0])
+        return tags[0]
 
     # --- load -------------------------------------------------------------------------------------
     def load(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
@@ -139,18 +176,30 @@ class Checkpointer:
         dist.all_gather_object(out, obj, group=group)
         return out
 
-    def _agree(self, step: str, fn, share: bool = False):
+    def _agree(self, step: str, fn, share: bool = False, same: str | None = None):
         """Run ``fn`` on every rank and raise everywhere if any rank failed. Returns this rank's
-        result, or with ``share=True`` every rank's (small, picklable) result in rank order."""
+        result; with ``share=True`` every rank's (small, picklable) result in rank order; with
+        ``same`` (a string every rank should pass alike, such as the tag) every rank's ``same``.
+
+        Without ``share`` the ranks exchange one small all-reduce (failure flag and a hash of
+        ``same``); the pickled exchange of messages happens only when something differs: a save
+        in the background should not take the interpreter from training longer than it must."""
         try:
             result, error = fn(), None
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             result, error = None, err
-        outcomes = self._gather((None if error is None else f"rank {self.engine.rank}: {error}",
-                                 result if share else None))
-        failures = [message for message, _ in outcomes if message]
+        message = None if error is None else f"rank {self.engine.rank}: {error}"
+        group = self._coordination_group()
+        if group is not None and not share:
+            digest = zlib.crc32(same.encode()) if same is not None else 0
+            flags = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            if not flags[0] and flags[1] == -flags[2]:  # nobody failed, all passed the same ``same``
+                return [same] * self.engine.world_size if same is not None else result
+        outcomes = self._gather((message, result if share else same))
+        failures = [m for m, _ in outcomes if m]
         if error is not None and len(failures) == 1:
             raise error  # only this rank failed: keep its own type and traceback
         if failures:
             raise CheckpointError(f"checkpoint {step} failed: " + "; ".join(failures))
-        return [r for _, r in outcomes] if share else result
+        return [r for _, r in outcomes] if share or same is not None else result

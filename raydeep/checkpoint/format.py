@@ -57,10 +57,15 @@ class PackedFile:
         self._offset = 0
 
     def add(self, name: str, start: int, end: int, by_kind: dict[str, torch.Tensor]) -> None:
-        self.pieces.append([name, start, end, self._offset])
+        self.add_run([(name, start, end)], by_kind)
+
+    def add_run(self, pieces: list[tuple[str, int, int]], by_kind: dict[str, torch.Tensor]) -> None:
+        """Consecutive pieces whose values lie back to back in each of ``by_kind``'s tensors."""
+        for name, start, end in pieces:
+            self.pieces.append([name, start, end, self._offset])
+            self._offset += end - start
         for kind, values in by_kind.items():
             self._chunks.setdefault(kind, []).append(values.detach().reshape(-1))
-        self._offset += end - start
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """One copy of every piece (so later updates to the sources do not reach the file)."""

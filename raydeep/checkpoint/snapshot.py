@@ -22,12 +22,18 @@ from raydeep.zero.layout import UnitLayout
 class RankSnapshot:
     """What one rank contributes to a checkpoint."""
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    pieces: list[list] = field(default_factory=list)  # [param name, start, end]
-    rng: dict = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # filled by ``copy_tensors``
+    pieces: list[list] = field(default_factory=list)  # [param name, start, end, offset]
+    rng: dict = field(default_factory=dict)  # as captured; ``rng_json`` makes it storable
     # rank 0 only: model-wide tensors (buffers, frozen params, client tensors) and JSON state
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
+    packed: fmt.PackedFile | None = None  # views of the live states, until ``copy_tensors``
+
+    def copy_tensors(self) -> None:
+        """Copy the states the snapshot points at (once). Until then they must not change."""
+        if self.packed is not None:
+            self.tensors, self.packed = self.packed.tensors(), None
 
 
 def held_range(unit) -> tuple[int, int, int]:
@@ -55,35 +61,54 @@ def pieces_in(unit, start: int, end: int):
             yield slot, s, e
 
 
-def take(engine, client_state: dict | None) -> RankSnapshot:
-    """This rank's snapshot of ``engine``; rank 0 also fills the model-wide parts."""
-    snap = RankSnapshot(rng=_rng_state())
+def take(engine, client_state: dict | None, static: dict | None = None) -> RankSnapshot:
+    """This rank's snapshot of ``engine``; rank 0 also fills the model-wide parts.
+
+    It runs in the caller's thread while training waits, so it does little: the parameter and
+    optimizer states are only *referenced* (``copy_tensors`` copies them, and an asynchronous
+    save does that in its thread, before the next optimizer step, while the next forward and
+    backward run); the RNG states are kept as they are (``rng_json`` converts them later), and
+    ``static`` (``static_state``, computed once per engine) is reused rather than rebuilt.
+    Model-wide tensors (buffers may change in a forward) are copied here.
+    """
+    snap = RankSnapshot(rng=_capture_rng())
     optimizer, packed = engine.optimizer, fmt.PackedFile()
     for unit in engine.strategy.units:
         state = optimizer.state.get(unit.master, {})
         per_element = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == unit.master.shape}
         start, end, base = owned_range(unit, engine.rank, engine.world_size)
-        for slot, s, e in pieces_in(unit, start, end):
-            by_kind = {fmt.MASTER: unit.master.detach()[s - base:e - base]}
-            by_kind.update({kind: value[s - base:e - base] for kind, value in per_element.items()})
-            packed.add(slot.name, s - slot.offset, e - slot.offset, by_kind)
-    snap.tensors, snap.pieces = packed.tensors(), packed.pieces
+        if start >= end:
+            continue
+        # The unit's parameters lie back to back, so the pieces of [start, end) are one slice.
+        by_kind = {fmt.MASTER: unit.master.detach()[start - base:end - base]}
+        by_kind.update({kind: value[start - base:end - base] for kind, value in per_element.items()})
+        packed.add_run([(slot.name, s - slot.offset, e - slot.offset) for slot, s, e in pieces_in(unit, start, end)],
+                       by_kind)
+    snap.packed, snap.pieces = packed, packed.pieces
     if engine.rank == 0:
-        snap.manifest = _model_wide_state(engine)
+        snap.manifest = {**(static if static is not None else static_state(engine)), **_dynamic_state(engine)}
         snap.extra = _extra_tensors(engine, client_state or {})
         snap.manifest["client_state"] = {k: v for k, v in (client_state or {}).items() if not torch.is_tensor(v)}
-        fmt.to_json(snap.manifest["client_state"], "client_state")  # fail now, in the caller's thread
+        if snap.manifest["client_state"]:
+            fmt.to_json(snap.manifest["client_state"], "client_state")  # fail now, in the caller's thread
     return snap
 
 
-def _model_wide_state(engine) -> dict:
-    units, optimizer = engine.strategy.units, engine.optimizer
-    names_in_units = {name: unit for unit in units for name in unit.param_names}
+def static_state(engine) -> dict:
+    """The manifest fields that do not change while an engine trains (shapes, layout, config)."""
+    names_in_units = {name: unit for unit in engine.strategy.units for name in unit.param_names}
     params = {}
     for name, p in engine.module.named_parameters():
         if name in names_in_units:
             params[name] = {"shape": list(p.shape), "dtype": fmt.dtype_name(p.dtype),
                             "group": names_in_units[name].group_index}
+    config = getattr(engine, "config", None)
+    return {"world_size": engine.world_size, "stage": engine.settings.stage, "precision": engine.settings.precision,
+            "params": params, "config": config.model_dump(mode="json") if config is not None else None}
+
+
+def _dynamic_state(engine) -> dict:
+    optimizer = engine.optimizer
     state_keys, state_dtypes, scalars = [], {}, []
     for group in optimizer.param_groups:
         group_scalars = {}
@@ -100,17 +125,13 @@ def _model_wide_state(engine) -> dict:
              for g in optimizer.param_groups]
     scaler = engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    config = getattr(engine, "config", None)
     return {
-        "world_size": engine.world_size, "stage": engine.settings.stage, "precision": engine.settings.precision,
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "skipped_steps": engine.skipped_steps},
-        "params": params,
         "optimizer": {"class": type(optimizer).__name__, "state_keys": state_keys, "state_dtypes": state_dtypes,
                       "scalars": scalars},
         "param_groups": hyper, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
         "loss_scaler": _jsonable(scaler, "loss scaler state"),
-        "config": config.model_dump(mode="json") if config is not None else None,
     }
 
 
@@ -162,13 +183,22 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
-def _rng_state() -> dict:
-    version, mt, gauss = random.getstate()
-    np_state = np.random.get_state()
-    state = {"python": [version, list(mt), gauss], "torch": _b64(torch.get_rng_state()),
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+def _capture_rng() -> dict:
+    """The generators' states as they are now (copies; cheap)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = _b64(torch.cuda.get_rng_state())
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def rng_json(captured: dict) -> dict:
+    """``_capture_rng``'s states as the manifest stores them (plain JSON)."""
+    version, mt, gauss = captured["python"]
+    name, keys, pos, has_gauss, cached = captured["numpy"]
+    state = {"python": [version, list(mt), gauss], "torch": _b64(captured["torch"]),
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if "cuda" in captured:
+        state["cuda"] = _b64(captured["cuda"])
     return state
 
 

@@ -1,6 +1,6 @@
 """Write and commit one checkpoint tag so that a crash at any moment leaves the previous one whole.
 
-Protocol (every rank calls the collective steps in the same order; see ``saver.py``):
+Protocol (every rank calls the collective steps in the same order; see ``checkpointer.py``):
 
 1. rank 0 clears the staging location of the tag;
 2. every rank writes its own file(s) into it (fsynced on local disks);
@@ -27,11 +27,15 @@ class TagWriter:
     """The files of one tag being written, and their commit."""
 
     def __init__(self, storage: Storage, tag: str, fsync: bool = True):
-        if not tag or "/" in tag or tag.startswith("."):
-            raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' and not start with '.'")
+        self.check_tag(tag)
         self.storage, self.tag, self.fsync = storage, tag, fsync
         # Object stores cannot rename a directory: they write in place and commit by the manifest.
         self.staging = f".{tag}.staging" if storage.is_local else tag
+
+    @staticmethod
+    def check_tag(tag: str) -> None:
+        if not tag or "/" in tag or tag.startswith("."):
+            raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' and not start with '.'")
 
     def prepare(self) -> None:
         """Rank 0, before any rank writes: start from an empty staging location."""
@@ -48,8 +52,12 @@ class TagWriter:
         self.storage.write(f"{self.staging}/{name}", data, fsync=self.fsync)
         return {"sha256": fmt.sha256(data), "bytes": fmt.encoded_size(data)}
 
-    def commit(self, manifest: dict, save_latest: bool = True, keep_last_k: int | None = None) -> None:
-        """Rank 0, after every rank's files are durable: make the tag visible, then ``latest``."""
+    def commit(self, manifest: dict, save_latest: bool = True, keep_last_k: int | None = None,
+               known_tags: list | None = None) -> None:
+        """Rank 0, after every rank's files are durable: make the tag visible, then ``latest``.
+
+        ``known_tags``: the caller's running ``committed_tags`` list for this storage (kept up to
+        date here), so that retention does not re-read every manifest on every save."""
         self.storage.write(f"{self.staging}/{fmt.MANIFEST}", fmt.to_json(manifest, "checkpoint manifest").encode())
         if self.storage.is_local:
             replaced = f".{self.tag}.replaced"
@@ -64,8 +72,11 @@ class TagWriter:
             for name in self.storage.list_dirs():  # leftovers of saves that were interrupted
                 if name.startswith(".") and name.endswith((".staging", ".replaced")):
                     self.storage.delete_dir(name)
+        if known_tags is not None:
+            known_tags[:] = sorted([t for t in known_tags if t[1] != self.tag]
+                                   + [(manifest["counters"]["global_steps"], self.tag)])
         if keep_last_k:
-            prune(self.storage, keep_last_k)
+            prune(self.storage, keep_last_k, known_tags, latest=self.tag if save_latest else None)
 
 
 def committed_tags(storage: Storage) -> list[tuple[int, str]]:
@@ -82,15 +93,20 @@ def committed_tags(storage: Storage) -> list[tuple[int, str]]:
     return sorted(tags)
 
 
-def prune(storage: Storage, keep_last_k: int) -> list[str]:
-    """Delete all but the newest ``keep_last_k`` committed tags (never the one ``latest`` names)."""
-    latest = storage.read(fmt.LATEST).decode().strip() if storage.exists(fmt.LATEST) else None
-    tags = committed_tags(storage)
+def prune(storage: Storage, keep_last_k: int, known_tags: list | None = None, latest: str | None = None) -> list[str]:
+    """Delete all but the newest ``keep_last_k`` committed tags (never the one ``latest`` names).
+    ``known_tags`` (see ``TagWriter.commit``) replaces the directory scan and is kept current;
+    ``latest`` saves reading the file when the caller just wrote it."""
+    if latest is None:
+        latest = storage.read(fmt.LATEST).decode().strip() if storage.exists(fmt.LATEST) else None
+    tags = committed_tags(storage) if known_tags is None else list(known_tags)
     doomed = [tag for _, tag in tags[:max(0, len(tags) - keep_last_k)] if tag != latest]
     for tag in doomed:
         # Un-commit first: a prune interrupted half-way must not leave a loadable partial tag.
         storage.fs.delete_file(storage.path(f"{tag}/{fmt.MANIFEST}"))
         storage.delete_dir(tag)
+        if known_tags is not None:
+            known_tags[:] = [t for t in known_tags if t[1] != tag]
         logger.info("removed old checkpoint %s (keep_last_k=%d)", storage.describe(tag), keep_last_k)
     return doomed
 

@@ -67,6 +67,7 @@ class Engine(nn.Module):
         self.training_dataloader = None
         self.config = None  # the resolved RaydeepConfig, set by raydeep.initialize
         self.checkpointer = Checkpointer(self)
+        strategy.before_master_update = self.checkpointer.fence
         self._global_grad_norm: float | None = None
         self._step_applied = False
 
@@ -98,6 +99,7 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        self.checkpointer.fence()  # an asynchronous save copies the states before they change
         scale = self.loss_scaler.loss_scale
         if self.settings.compute_grad_norm:
             total_norm = self._global_norm()

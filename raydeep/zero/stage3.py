@@ -203,6 +203,7 @@ class _Gathered:
 
     def write_back(self, src_rank: int) -> None:
         """After a modification on ``src_rank``, broadcast it and keep each rank's shard."""
+        self.strategy.before_master_update()
         for i in self.indices:
             unit = self.strategy.units[i]
             comm.broadcast(unit.full, src_rank, self.strategy.stats)

@@ -56,6 +56,9 @@ class ZeroStrategy:
         self._reduced: set[int] = set()
         self._pending: list[tuple[comm.Pending, callable]] = []
         self._hooks_live = False
+        # Called before anything writes the masters outside ``engine.step`` (the engine points it at
+        # its checkpointer, whose background save may still be copying them).
+        self.before_master_update = lambda: None
         self._unit_of = {}
         # Gradients a unit waits for before it is reduced (computed once: the hooks are a hot path).
         self._expected = [sum(1 for p in unit.params if p.requires_grad) for unit in units]
