@@ -35,6 +35,10 @@ RAY_TRAIN_TUNING = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
 }
+# On a cluster that raydeep starts on this machine no node is ever drained, so Ray Train's
+# preemption watcher (an extra actor process per worker group, started again on every restart)
+# would only take CPU from the new workers while they start.
+LOCAL_CLUSTER_TUNING = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 CHECKPOINTS_TO_KEEP = 2
 
 
@@ -51,6 +55,8 @@ def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = T
     # A local cluster exists only for this run: give it at least one logical CPU per worker, so
     # `--num-workers 2` runs on a 1-core laptop too (slowly) instead of waiting for resources.
     cpus = max(os.cpu_count() or 1, math.ceil(spec.max_workers * spec.cpus_per_worker))
+    for key, value in LOCAL_CLUSTER_TUNING.items():
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=cpus, log_to_driver=log_to_driver)
 
 
