@@ -146,6 +146,16 @@ def _compatible_v01(micro_batches: list[int], max_batch: int, min_gpus: int, max
     return best_batch, best_valid
 
 
+def compatible_batch(section) -> tuple[int, list[int]]:
+    """DeepSpeed's candidate search: the one global batch valid for the most world sizes, and
+    those sizes (v0.2 searches per node, then scales by ``num_gpus_per_node``)."""
+    per_node = section.num_gpus_per_node if section.version > 0.1 else 1
+    batch, valid_nodes = _compatible_v01(list(section.micro_batch_sizes), int(section.max_train_batch_size / per_node),
+                                         int(section.min_gpus / per_node), int(section.max_gpus / per_node),
+                                         section.prefer_larger_batch)
+    return batch * per_node, [n * per_node for n in valid_nodes]
+
+
 def elastic_plan(section, world_size: int) -> BatchPlan:
     """The batch plan the ``elasticity`` section gives at ``world_size`` (v0.1 or v0.2 rules).
 
@@ -156,8 +166,7 @@ def elastic_plan(section, world_size: int) -> BatchPlan:
     """
     mbs = list(section.micro_batch_sizes)
     if section.version <= 0.1:
-        batch, valid = _compatible_v01(mbs, section.max_train_batch_size, section.min_gpus, section.max_gpus,
-                                       section.prefer_larger_batch)
+        batch, valid = compatible_batch(section)
     else:
         batch, valid = _compatible_v02(section, world_size)
     if world_size not in valid:
@@ -172,17 +181,13 @@ def elastic_plan(section, world_size: int) -> BatchPlan:
 
 
 def _compatible_v02(section, world_size: int) -> tuple[int, list[int]]:
-    per_node, mp = section.num_gpus_per_node, section.model_parallel_size
+    mp = section.model_parallel_size
     if mp > 1:
         # v0.2 counts data-parallel ranks as GPUs / model_parallel_size; raydeep has no model
         # parallelism, so every worker is a data-parallel rank and only 1 describes it.
         raise ConfigError("elasticity.model_parallel_size", "model parallelism is not supported by raydeep "
                           "(every worker is a data-parallel rank)", value=mp, fix="set it to 1 or remove it")
-    batch, valid_nodes = _compatible_v01(list(section.micro_batch_sizes), int(section.max_train_batch_size / per_node),
-                                         int(section.min_gpus / per_node), int(section.max_gpus / per_node),
-                                         section.prefer_larger_batch)
-    batch *= per_node
-    valid = [n * per_node for n in valid_nodes]
+    batch, valid = compatible_batch(section)
     if world_size in valid:
         return batch, valid
     # The current size is not in the list: DeepSpeed falls back to the largest (or smallest)

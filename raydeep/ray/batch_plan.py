@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raydeep.config.batch import BatchPlan, _compatible_v01, derive_batch, elastic_plan, valid_world_sizes
+from raydeep.config.batch import BatchPlan, compatible_batch, derive_batch, elastic_plan, valid_world_sizes
 from raydeep.config import load_config
 from raydeep.config.loading import read_config
 from raydeep.config.sections import ElasticityConfig
@@ -114,13 +114,7 @@ def _elastic_plans(data: dict, section: ElasticityConfig, lo: int, hi: int) -> t
     given = [k for k in BATCH_KEYS if data.get(k) is not None]
     if given and not section.ignore_non_elastic_batch_info:
         load_config(data, world_size=lo)  # DeepSpeed's refusal of batch keys beside elasticity
-    per_node = section.num_gpus_per_node if section.version > 0.1 else 1
-    # DeepSpeed's candidate search picks the one batch valid for the most world sizes; v0.2 runs it
-    # per node. Sizes outside its list would get a batch of their own, so they are not planned.
-    batch, valid_nodes = _compatible_v01(list(section.micro_batch_sizes), int(section.max_train_batch_size / per_node),
-                                         int(section.min_gpus / per_node), int(section.max_gpus / per_node),
-                                         section.prefer_larger_batch)
-    batch *= per_node
-    valid = [n * per_node for n in valid_nodes]
+    # Sizes outside DeepSpeed's list would get a batch of their own, so they are not planned.
+    batch, valid = compatible_batch(section)
     plans = {w: elastic_plan(section, w) for w in range(lo, hi + 1) if w in valid}
     return batch, plans, valid
