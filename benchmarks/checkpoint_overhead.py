@@ -5,7 +5,8 @@
 Each rank trains the built-in GPT on synthetic tokens; the same engine alternates blocks of
 steps with no checkpoint, with ``save_checkpoint(async_save=True)`` after every step, and with
 a synchronous save after every step, ``--steps`` steps of each. It prints the median step time of each mode (the save's
-own call included: that is what training waits for) and the ratios to no checkpointing.
+own call included: that is what training waits for) and the ratios to no checkpointing, taken
+between neighbouring blocks (see ``summarise``).
 
 ``--world 1 --threads 1`` on a 2-core machine leaves a core to the background writer, as a GPU
 node does; ``--world 2`` there makes the writer compete with training for every cycle.
@@ -23,6 +24,7 @@ import torch
 import torch.multiprocessing as tmp_mp
 
 MODES = ("none", "async", "sync")
+BLOCK = 5  # steps per mode in a row
 
 
 def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
@@ -40,12 +42,14 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
     engine, *_ = raydeep.initialize(model=model, config=config)
     seq = model.config.block_size
     g = torch.Generator().manual_seed(rank)
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    # Modes alternate in short blocks so that drift in machine load hits all three alike.
-    block = 5
-    for round_ in range(-(-(args.warmup + args.steps) // block)):
-        for mode in MODES:
-            for _ in range(block):
+    blocks: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    # Modes alternate in short blocks, each round starting from the next mode, so that drift in
+    # machine load, and whatever a block leaves behind for the next, hit all three alike. The
+    # first round warms up and is dropped.
+    for round_ in range(1 + -(-args.steps // BLOCK)):
+        for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
+            block = []
+            for _ in range(BLOCK):
                 x = torch.randint(0, model.config.vocab_size, (args.micro, seq + 1), generator=g)
                 start = time.perf_counter()
                 loss = engine(x[:, :-1], x[:, 1:])
@@ -53,10 +57,12 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
                 engine.step()
                 if mode != "none":
                     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), async_save=mode == "async")
-                times[mode].append(time.perf_counter() - start)
+                block.append(time.perf_counter() - start)
             engine.wait_for_checkpoint()  # the next block starts with no save in flight
+            if round_:
+                blocks[mode].append(block)
     engine.destroy()
-    times = {mode: t[args.warmup:] for mode, t in times.items()}
+    times = blocks
     if rank == 0:
         with open(os.path.join(out_dir, "times.json"), "w") as f:
             json.dump(times, f)
@@ -74,16 +80,23 @@ def measure(args: argparse.Namespace) -> dict:
         tmp_mp.spawn(_train, args=(args.world, port, args, out_dir), nprocs=args.world, join=True)
         with open(os.path.join(out_dir, "times.json")) as f:
             times = json.load(f)
-    medians = {mode: statistics.median(t) for mode, t in times.items()}
-    return {"median_step_s": medians, "ratio_vs_none": {m: medians[m] / medians["none"] for m in MODES},
-            "steps": args.steps, "world": args.world, "model": args.model, "stage": args.stage}
+    return summarise(times) | {"steps": args.steps, "world": args.world, "model": args.model, "stage": args.stage}
+
+
+def summarise(blocks: dict[str, list[list[float]]]) -> dict:
+    """Medians per mode, and each mode's ratio to no saving: the median over rounds of the ratio
+    of block medians within a round (blocks of one round ran seconds apart, so a slow minute of
+    the machine changes both sides of a ratio, not one)."""
+    medians = {mode: statistics.median(t for block in b for t in block) for mode, b in blocks.items()}
+    ratios = {mode: statistics.median(statistics.median(mine) / statistics.median(none)
+                                      for mine, none in zip(b, blocks["none"])) for mode, b in blocks.items()}
+    return {"median_step_s": medians, "ratio_vs_none": ratios, "step_s": blocks}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--model", default="gpt-tiny")
     parser.add_argument("--stage", type=int, default=3)
@@ -98,7 +111,7 @@ def main(argv=None) -> int:
           f"{args.steps} steps, checkpoint after every step{' (no fsync)' if args.no_fsync else ''}")
     for mode in MODES:
         print(f"  {mode:>5}: median step {result['median_step_s'][mode] * 1000:8.1f} ms   "
-              f"x{result['ratio_vs_none'][mode]:.3f} vs none")
+              f"x{result['ratio_vs_none'][mode]:.3f} vs none (median of per-round ratios)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
