@@ -9,11 +9,13 @@ attempt. The session adds raydeep's part:
   ranks report that directory to Ray Train (``CheckpointUploadMode.NO_UPLOAD``: it is already in
   the run's storage, so nothing is copied). Ray Train then keeps its history, deletes the oldest
   beyond ``num_to_keep``, and gives it back after a worker failure, a resize or a driver restart;
-- the restore reads it with ``engine.load_checkpoint``, which reshards when the world size changed;
+- the restore reads it (or raydeep's ``latest``, when that is newer) with ``engine.load_checkpoint``,
+  which reshards when the world size changed;
 - step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor`.
 """
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import socket
@@ -25,6 +27,8 @@ import ray.train
 import torch
 
 from raydeep.checkpoint import Storage
+from raydeep.checkpoint import format as fmt
+from raydeep.checkpoint.reader import resolve_tag
 from raydeep.ray.loop import run_training
 
 
@@ -36,6 +40,20 @@ def train_loop_per_worker(config: dict) -> dict:
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
     session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at)
     return run_training(spec, config["ds_config"], config["schedule"], session)
+
+
+def newest_tag(storage: Storage, reported: str | None) -> str | None:
+    """Of ``reported`` (Ray Train's checkpoint) and the tag ``latest`` names, the one further on."""
+    tags = {tag for tag in (reported, resolve_tag(storage, None)) if tag}
+    return max(tags, key=lambda tag: _global_steps(storage, tag)) if tags else None
+
+
+def _global_steps(storage: Storage, tag: str) -> int:
+    manifest = f"{tag}/{fmt.MANIFEST}"
+    if not storage.exists(manifest):
+        raise RuntimeError(f"cannot resume from {storage.describe(tag)}: it has no {fmt.MANIFEST} (not a committed "
+                           "raydeep checkpoint)")
+    return json.loads(storage.read(manifest))["counters"]["global_steps"]
 
 
 class RaySession:
@@ -59,20 +77,23 @@ class RaySession:
                 "local_rank": context.get_local_rank(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
 
     def restore(self, engine) -> dict | None:
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            # Nothing reported yet; a save that committed just before a crash, before its report,
-            # is still a whole checkpoint: resume from the engine's `latest` if there is one.
-            if not Storage.open(self.checkpoint_uri).exists("latest"):
-                return None
-            path, client_state = engine.load_checkpoint(self.checkpoint_uri)
-            return client_state
-        tag = posixpath.basename(checkpoint.path.rstrip("/"))
+        tag = self._resume_tag()
+        if tag is None:
+            return None
         path, client_state = engine.load_checkpoint(self.checkpoint_uri, tag=tag)
         if path is None:
-            raise RuntimeError(f"Ray Train resumed from {checkpoint.path}, but no raydeep checkpoint is there")
+            raise RuntimeError(f"no raydeep checkpoint {tag!r} under {self.checkpoint_uri} to resume from")
         return client_state
 
+    def _resume_tag(self) -> str | None:
+        """The newer of the checkpoint Ray Train hands this attempt and the one raydeep's
+        ``latest`` names. They differ when a worker died after a save committed but before Ray
+        Train's controller took in its report (the controller collects reports when it polls the
+        workers), or before the report was made: that checkpoint is whole all the same (``latest``
+        moves only once every rank's files are in), and resuming from it loses no steps."""
+        checkpoint = ray.train.get_checkpoint()
+        reported = posixpath.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
+        return newest_tag(Storage.open(self.checkpoint_uri), reported)
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         from ray.train import Checkpoint, CheckpointUploadMode
 
