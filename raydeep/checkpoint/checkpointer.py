@@ -119,10 +119,10 @@ class Checkpointer:
                 return
             files = {name: entry for rank_files, _ in written for name, entry in rank_files.items()}
             manifest = new_manifest(tag, files=files, rng=[rng for _, rng in written], **snap.manifest)
-            known = self._known_tags.get(storage.uri)
-            writer.commit(manifest, save_latest=save_latest, keep_last_k=keep_last_k, known_tags=known)
-            if known is None:  # first save to this directory: scan it once, then keep the list current
+            if storage.uri not in self._known_tags:  # scan a directory once; commits keep the list current
                 self._known_tags[storage.uri] = committed_tags(storage)
+            writer.commit(manifest, save_latest=save_latest, keep_last_k=keep_last_k,
+                          known_tags=self._known_tags[storage.uri])
         self._agree("commit", commit)
         logger.info("saved checkpoint %s", storage.describe(tag))
 

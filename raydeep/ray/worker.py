@@ -15,7 +15,6 @@ attempt. The session adds raydeep's part:
 """
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import socket
@@ -27,8 +26,7 @@ import ray.train
 import torch
 
 from raydeep.checkpoint import Storage
-from raydeep.checkpoint import format as fmt
-from raydeep.checkpoint.reader import resolve_tag
+from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.ray.loop import run_training
 
 
@@ -45,15 +43,8 @@ def train_loop_per_worker(config: dict) -> dict:
 def newest_tag(storage: Storage, reported: str | None) -> str | None:
     """Of ``reported`` (Ray Train's checkpoint) and the tag ``latest`` names, the one further on."""
     tags = {tag for tag in (reported, resolve_tag(storage, None)) if tag}
-    return max(tags, key=lambda tag: _global_steps(storage, tag)) if tags else None
-
-
-def _global_steps(storage: Storage, tag: str) -> int:
-    manifest = f"{tag}/{fmt.MANIFEST}"
-    if not storage.exists(manifest):
-        raise RuntimeError(f"cannot resume from {storage.describe(tag)}: it has no {fmt.MANIFEST} (not a committed "
-                           "raydeep checkpoint)")
-    return json.loads(storage.read(manifest))["counters"]["global_steps"]
+    steps = {tag: CheckpointReader.open(storage, tag).manifest["counters"]["global_steps"] for tag in tags}
+    return max(tags, key=steps.get) if tags else None
 
 
 class RaySession:
@@ -94,6 +85,7 @@ class RaySession:
         checkpoint = ray.train.get_checkpoint()
         reported = posixpath.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
         return newest_tag(Storage.open(self.checkpoint_uri), reported)
+
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         from ray.train import Checkpoint, CheckpointUploadMode
 

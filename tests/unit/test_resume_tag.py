@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from raydeep.checkpoint import Storage, write_single
+from raydeep.errors import CheckpointError
 from raydeep.ray.worker import newest_tag
 
 
@@ -33,5 +34,5 @@ def test_nothing_to_resume_from(tmp_path):
 
 def test_a_reported_directory_without_manifest_is_named(tmp_path):
     (tmp_path / "global_step2").mkdir()
-    with pytest.raises(RuntimeError, match="global_step2.*manifest.json"):
+    with pytest.raises(CheckpointError, match="global_step2.*manifest.json"):
         newest_tag(Storage.open(str(tmp_path)), "global_step2")
