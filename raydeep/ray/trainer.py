@@ -18,6 +18,8 @@ import time
 import uuid
 
 import ray
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks import DatasetsCallback
 
 from raydeep.ray.batch_plan import BatchSchedule, plan_batches
 from raydeep.ray.monitor import start_monitor
@@ -42,6 +44,22 @@ LOCAL_CLUSTER_TUNING = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 CHECKPOINTS_TO_KEEP = 2
 
 
+class RaydeepTorchTrainer(TorchTrainer):
+    """``TorchTrainer``, less the Ray Data plumbing when no Ray Datasets are given.
+
+    Ray Train starts a ``DatasetManager`` actor for every worker group, datasets or not: a fresh
+    process that imports Ray Data (pandas, pyarrow compute), about 3 CPU-seconds on every restart,
+    taken from the new workers while they start. raydeep's workers read their samples themselves,
+    so the callback that starts it is left out (and kept whenever datasets are given).
+    """
+
+    def _create_default_callbacks(self):
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
+
+
 def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = True) -> None:
     """Join the given cluster (``--address``, or ``RAY_ADDRESS`` as under ``ray job submit``), or
     start a local one large enough for the run's workers. Call before anything else starts Ray."""
@@ -63,7 +81,6 @@ def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = T
 def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, monitor=None, driver_id: str = ""):
     """The ``TorchTrainer`` for ``spec`` (usable directly, e.g. from a Ray Tune driver function)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     resources = {"CPU": spec.cpus_per_worker, **spec.resources_per_worker}
     scaling = ScalingConfig(num_workers=spec.num_workers, use_gpu=spec.use_gpu, resources_per_worker=resources)
@@ -71,7 +88,8 @@ def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, mon
                     failure_config=FailureConfig(max_failures=spec.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP))
     config = {"spec": spec, "ds_config": ds_config, "schedule": schedule, "monitor": monitor, "driver_id": driver_id}
-    return TorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run)
+    return RaydeepTorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run)
+
 
 
 def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_interval_s: float = 0.25,
