@@ -1,0 +1,69 @@
+"""``ray job submit`` against a real Ray head, as ``jobs/README.md`` tells users to run it: the job
+ships this checkout (``jobs/runtime_env.yaml``), its driver joins the cluster through
+``RAY_ADDRESS``, and a second submission with the same ``--name`` continues the run."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from raydeep.data import builtin_dataset
+from raydeep.ray.ledger import SampleOrder, expected_digest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the cluster's Python: `python` in the entrypoint is this one
+BATCH = 16  # the default ds_config's train_batch_size
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A Ray head with the dashboard (the job server); yields its address for ``ray job``."""
+    if ray.is_initialized():
+        ray.shutdown()  # a connection left by an earlier module
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "disabled"}
+    dashboard_port = free_port()
+    subprocess.run([BIN / "ray", "start", "--head", f"--port={free_port()}", f"--dashboard-port={dashboard_port}",
+                    "--dashboard-host=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True)
+    try:
+        yield f"http://127.0.0.1:{dashboard_port}", env
+    finally:
+        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+
+
+def submit(head, submission_id: str, *train_args: str) -> subprocess.CompletedProcess:
+    address, env = head
+    command = [BIN / "ray", "job", "submit", "--address", address, "--runtime-env", "jobs/runtime_env.yaml",
+               "--submission-id", submission_id, "--", "python", "-m", "raydeep", "train", *train_args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_submitted_job_trains_and_a_resubmission_continues(head, tmp_path):
+    run_args = ["--num-workers", "2", "--checkpoint-every", "2", "--storage-path", str(tmp_path), "--name", "job"]
+    first = submit(head, "job-1", "--steps", "4", *run_args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "Job 'job-1' succeeded" in first.stdout + first.stderr
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["global_steps"] == 4
+
+    # A new submission of the same run name (a driver restart): resumes at step 4, trains to 6.
+    second = submit(head, "job-2", "--steps", "6", *run_args)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert (summary["global_steps"], summary["global_samples"]) == (6, 6 * BATCH)
+    assert [a["resumed_from_step"] for a in summary["attempts"]] == [0, 4]
+    order = SampleOrder(len(builtin_dataset(128)), seed=0)
+    assert summary["samples_sha256"] == expected_digest(order, 6, BATCH)  # every sample once, across jobs
