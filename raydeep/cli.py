@@ -67,17 +67,23 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, world_size=args.world_size, stage=args.stage, model=args.model)
 
 
-def _train(args: argparse.Namespace) -> int:
+def train_spec(args: argparse.Namespace):
+    """The :class:`~raydeep.ray.TrainSpec` of parsed ``raydeep train`` arguments."""
     from raydeep.ray import TrainSpec, parse_num_workers
     from raydeep.ray.spec import DEFAULT_DS_CONFIG, default_run_name
-    from raydeep.ray.train_command import run_train_command
 
-    spec = TrainSpec(ds_config=args.config or DEFAULT_DS_CONFIG, model=args.model, data=args.data,
+    return TrainSpec(ds_config=args.config or DEFAULT_DS_CONFIG, model=args.model, data=args.data,
                      num_workers=parse_num_workers(args.num_workers), use_gpu=args.use_gpu,
                      cpus_per_worker=args.cpus_per_worker, steps=args.steps, checkpoint_every=args.checkpoint_every,
                      storage_path=args.storage_path, name=args.name or default_run_name(),
                      max_failures=args.max_failures, seed=args.seed, export_fp32=args.export_fp32,
                      overrides=args.set)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from raydeep.ray.train_command import run_train_command
+
+    spec = train_spec(args)
     if not args.verbose:
         logging.getLogger("ray").setLevel(logging.WARNING)  # the progress bar says what Ray is doing
     return run_train_command(spec, address=args.address, verbose=args.verbose)

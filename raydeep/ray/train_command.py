@@ -7,8 +7,9 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
     from rich.console import Console
 
     from raydeep.ray.progress import ProgressBar
-    from raydeep.ray.trainer import fit
+    from raydeep.ray.trainer import fit, plan_run
 
+    plan_run(spec)  # a config the run cannot use fails here, before the progress bar
     console = Console()
     workers = spec.num_workers if isinstance(spec.num_workers, int) else f"{spec.min_workers}-{spec.max_workers}"
     console.print(f"raydeep train: {spec.model} on {spec.data} data, {workers} {'GPU' if spec.use_gpu else 'CPU'} "

@@ -92,6 +92,16 @@ def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, mon
 
 
 
+def plan_run(spec: TrainSpec) -> tuple[dict, BatchSchedule]:
+    """The resolved ds_config and the batch plan of ``spec``. Raises ``ConfigError`` before any
+    Ray process starts: a world size in the range that cannot keep the global batch (naming the
+    valid ones), a bad config key, a model or dataset that cannot be built."""
+    ds_config = spec.resolved_ds_config()
+    schedule = plan_batches(ds_config, spec.min_workers, spec.max_workers)
+    check_workload(spec.model, spec.data, spec.seed)
+    return ds_config, schedule
+
+
 def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_interval_s: float = 0.25,
         log_to_driver: bool = True) -> dict:
     """Train ``spec`` to ``spec.steps`` (continuing the run if it exists); returns the summary,
@@ -100,9 +110,7 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     ``on_progress(snapshot)`` is called from a background thread with the monitor's snapshot
     (attempts with their world size and worker pids, the latest step) every ``poll_interval_s``.
     """
-    ds_config = spec.resolved_ds_config()
-    schedule = plan_batches(ds_config, spec.min_workers, spec.max_workers)  # fails fast, before Ray starts
-    check_workload(spec.model, spec.data, spec.seed)
+    ds_config, schedule = plan_run(spec)
     connect(spec, address, log_to_driver)
     driver_id = uuid.uuid4().hex
     monitor = start_monitor()

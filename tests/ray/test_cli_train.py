@@ -10,8 +10,9 @@ import pytest
 import ray
 import yaml
 
-from raydeep.cli import build_parser, main
+from raydeep.cli import build_parser, main, train_spec
 from raydeep.data import ParquetTokenDataset
+from raydeep.ray.trainer import plan_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,4 +74,7 @@ def test_documented_job_entrypoint_parses():
     entrypoint = shlex.split(block.split(" -- ", 1)[1])
     assert entrypoint[:3] == ["python", "-m", "raydeep"]
     args = build_parser().parse_args([a.replace('"$RUN"', "run").replace("$RUN", "run") for a in entrypoint[3:]])
-    assert args.command == "train" and args.num_workers == "2:8" and args.use_gpu
+    assert args.command == "train" and args.num_workers == "2:4" and args.use_gpu
+    # The batch plan serves every world size of the documented elastic range.
+    _, schedule = plan_run(train_spec(args))
+    assert [schedule.for_world_size(w).train_batch_size for w in (2, 3, 4)] == [96] * 3
