@@ -16,6 +16,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Sequence
 
 import ray
 from ray.train.torch import TorchTrainer
@@ -78,18 +79,18 @@ def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = T
     ray.init(num_cpus=cpus, log_to_driver=log_to_driver)
 
 
-def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, monitor=None, driver_id: str = ""):
-    """The ``TorchTrainer`` for ``spec`` (usable directly, e.g. from a Ray Tune driver function)."""
+def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, monitor=None, driver_id: str = "",
+                  callbacks: Sequence = ()):
+    """The ``TorchTrainer`` for ``spec``; ``callbacks`` are Ray Train ``UserCallback``s (e.g. Tune's)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     resources = {"CPU": spec.cpus_per_worker, **spec.resources_per_worker}
     scaling = ScalingConfig(num_workers=spec.num_workers, use_gpu=spec.use_gpu, resources_per_worker=resources)
     run = RunConfig(name=spec.name, storage_path=spec.storage_path,
                     failure_config=FailureConfig(max_failures=spec.max_failures),
-                    checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP))
+                    checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP), callbacks=list(callbacks))
     config = {"spec": spec, "ds_config": ds_config, "schedule": schedule, "monitor": monitor, "driver_id": driver_id}
     return RaydeepTorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run)
-
 
 
 def plan_run(spec: TrainSpec) -> tuple[dict, BatchSchedule]:
@@ -103,18 +104,19 @@ def plan_run(spec: TrainSpec) -> tuple[dict, BatchSchedule]:
 
 
 def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_interval_s: float = 0.25,
-        log_to_driver: bool = True) -> dict:
+        log_to_driver: bool = True, callbacks: Sequence = ()) -> dict:
     """Train ``spec`` to ``spec.steps`` (continuing the run if it exists); returns the summary,
     also written to ``<storage_path>/<name>/summary.json``.
 
     ``on_progress(snapshot)`` is called from a background thread with the monitor's snapshot
     (attempts with their world size and worker pids, the latest step) every ``poll_interval_s``.
+    ``callbacks`` go to Ray Train's ``RunConfig`` (see :func:`raydeep.ray.tune.make_driver`).
     """
     ds_config, schedule = plan_run(spec)
     connect(spec, address, log_to_driver)
     driver_id = uuid.uuid4().hex
     monitor = start_monitor()
-    trainer = build_trainer(spec, ds_config, schedule, monitor, driver_id)
+    trainer = build_trainer(spec, ds_config, schedule, monitor, driver_id, callbacks)
     poller = MonitorPoller(monitor, [on_progress], poll_interval_s)
     started = time.time()
     poller.start()
