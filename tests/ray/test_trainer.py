@@ -23,6 +23,7 @@ import ray
 from raydeep.data import builtin_dataset
 from raydeep.ray import TrainSpec, fit
 from raydeep.ray.ledger import SampleOrder, expected_digest
+from raydeep.ray.trainer import LOCAL_CLUSTER_TUNING
 from raydeep.ray.weights import load_fp32, max_abs_difference, param_sha256
 from tests.dist.harness import run_ranks
 from tests.ray.plain import train_plain
@@ -42,7 +43,9 @@ START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 def cluster():
     """Yields (cluster, worker nodes). The GCS declares a silent node dead after three missed 1 s
     health checks, as a cluster tuned for fast failover would; a worker group that cannot be
-    placed is retried at the size that fits after 10 s."""
+    placed is retried at the size that fits after 10 s. The simulated nodes share one machine
+    and are never drained, so, as on the local cluster raydeep starts itself, Ray Train's
+    preemption watcher is off (its actor would take CPU from every restart)."""
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -51,18 +54,20 @@ def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": fast_failover})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
-    previous = os.environ.get(START_TIMEOUT)
-    os.environ[START_TIMEOUT] = "10"
+    tuning = {START_TIMEOUT: "10", **LOCAL_CLUSTER_TUNING}  # read by Ray Train's controller, started in fit()
+    previous = {key: os.environ.get(key) for key in tuning}
+    os.environ.update(tuning)
     ray.init(address=cluster.address)
     try:
         yield cluster, nodes
     finally:
         ray.shutdown()
         cluster.shutdown()
-        if previous is None:
-            os.environ.pop(START_TIMEOUT)
-        else:
-            os.environ[START_TIMEOUT] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

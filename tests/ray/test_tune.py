@@ -24,7 +24,8 @@ def test_trial_spec_applies_the_trial_config(tmp_path):
 def test_a_grid_of_two_learning_rates(tmp_path):
     if ray.is_initialized():
         ray.shutdown()  # a connection left by an earlier module
-    ray.init(num_cpus=2, log_to_driver=False)
+    # Two trials at once: each needs a sliver of a CPU for its driver and 1 CPU for its worker.
+    ray.init(num_cpus=3, log_to_driver=False)
     try:
         base = TrainSpec(num_workers=1, steps=4, checkpoint_every=2, storage_path=str(tmp_path / "runs"), name="lr")
         lrs = [1e-4, 3e-3]
