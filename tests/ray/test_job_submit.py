@@ -1,6 +1,6 @@
 """``ray job submit`` against a real Ray head, as ``jobs/README.md`` tells users to run it: the job
 ships this checkout (``jobs/runtime_env.yaml``), its driver joins the cluster through
-``RAY_ADDRESS``, and a second submission with the same ``--name`` continues the run."""
+``RAY_ADDRESS``, and a second submission with the same ``--name`` continues the run, at another size."""
 from __future__ import annotations
 
 import json
@@ -53,17 +53,18 @@ def submit(head, submission_id: str, *train_args: str) -> subprocess.CompletedPr
 
 
 def test_submitted_job_trains_and_a_resubmission_continues(head, tmp_path):
-    run_args = ["--num-workers", "2", "--checkpoint-every", "2", "--storage-path", str(tmp_path), "--name", "job"]
-    first = submit(head, "job-1", "--steps", "4", *run_args)
+    run_args = ["--checkpoint-every", "2", "--storage-path", str(tmp_path), "--name", "job"]
+    first = submit(head, "job-1", "--steps", "4", "--num-workers", "1", *run_args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "Job 'job-1' succeeded" in first.stdout + first.stderr
     assert json.loads((tmp_path / "job" / "summary.json").read_text())["global_steps"] == 4
 
-    # A new submission of the same run name (a driver restart): resumes at step 4, trains to 6.
-    second = submit(head, "job-2", "--steps", "6", *run_args)
+    # A new submission of the same run name (a driver restart), now with 2 workers: resumes at
+    # step 4 from the 1-worker checkpoint (resharded), keeps the global batch, trains to 6.
+    second = submit(head, "job-2", "--steps", "6", "--num-workers", "2", *run_args)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert (summary["global_steps"], summary["global_samples"]) == (6, 6 * BATCH)
-    assert [a["resumed_from_step"] for a in summary["attempts"]] == [0, 4]
+    assert [(a["world_size"], a["resumed_from_step"]) for a in summary["attempts"]] == [(1, 0), (2, 4)]
     order = SampleOrder(len(builtin_dataset(128)), seed=0)
     assert summary["samples_sha256"] == expected_digest(order, 6, BATCH)  # every sample once, across jobs
