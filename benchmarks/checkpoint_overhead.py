@@ -62,10 +62,9 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
             if round_:
                 blocks[mode].append(block)
     engine.destroy()
-    times = blocks
     if rank == 0:
         with open(os.path.join(out_dir, "times.json"), "w") as f:
-            json.dump(times, f)
+            json.dump(blocks, f)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

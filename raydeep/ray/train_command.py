@@ -9,14 +9,14 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
     from raydeep.ray.progress import ProgressBar
     from raydeep.ray.trainer import fit, plan_run
 
-    plan_run(spec)  # a config the run cannot use fails here, before the progress bar
+    plan = plan_run(spec)  # a config the run cannot use fails here, before the progress bar
     console = Console()
     workers = spec.num_workers if isinstance(spec.num_workers, int) else f"{spec.min_workers}-{spec.max_workers}"
     console.print(f"raydeep train: {spec.model} on {spec.data} data, {workers} {'GPU' if spec.use_gpu else 'CPU'} "
                   f"workers, to step {spec.steps}, run {spec.run_uri}")
     try:
         with ProgressBar(spec.steps, console) as bar:
-            summary = fit(spec, on_progress=bar, address=address, log_to_driver=verbose)
+            summary = fit(spec, on_progress=bar, address=address, log_to_driver=verbose, plan=plan)
     except Exception as exc:  # noqa: BLE001 - Ray Train's failure types vary; show the message, not a trace
         from raydeep.errors import RaydeepError
 

@@ -104,15 +104,16 @@ def plan_run(spec: TrainSpec) -> tuple[dict, BatchSchedule]:
 
 
 def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_interval_s: float = 0.25,
-        log_to_driver: bool = True, callbacks: Sequence = ()) -> dict:
+        log_to_driver: bool = True, callbacks: Sequence = (), plan: tuple[dict, BatchSchedule] | None = None) -> dict:
     """Train ``spec`` to ``spec.steps`` (continuing the run if it exists); returns the summary,
     also written to ``<storage_path>/<name>/summary.json``.
 
     ``on_progress(snapshot)`` is called from a background thread with the monitor's snapshot
     (attempts with their world size and worker pids, the latest step) every ``poll_interval_s``.
     ``callbacks`` go to Ray Train's ``RunConfig`` (see :func:`raydeep.ray.tune.make_driver`).
+    ``plan`` is :func:`plan_run`'s result when the caller has already checked the spec.
     """
-    ds_config, schedule = plan_run(spec)
+    ds_config, schedule = plan or plan_run(spec)
     connect(spec, address, log_to_driver)
     driver_id = uuid.uuid4().hex
     monitor = start_monitor()
