@@ -44,7 +44,6 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
     args = parser.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from raydeep.ray import TrainSpec, fit
 
     killer = Killer(args.kills, args.every)

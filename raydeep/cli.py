@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 
 from raydeep.checkpoint.convert import add_convert_parser
 from raydeep.errors import RaydeepError
@@ -154,7 +155,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--max-failures", type=int, default=3, help="worker-group restarts allowed (-1: no limit)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a ds_config key")
-    train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a new local cluster)")
+    train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else the cluster `ray start` "
+                       "left running on this machine, as ray.init() does, else a new local one; 'local' always "
+                       "starts a new one)")
     train.add_argument("--export-fp32", action="store_true", help="write the consolidated fp32 weights "
                        "(safetensors) beside summary.json")
     train.add_argument("--verbose", action="store_true", help="show Ray's and the workers' logs")
@@ -178,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except RaydeepError as exc:
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -41,11 +41,17 @@ class ConfigError(RaydeepError, ValueError):
         key = key_part(key) if isinstance(key, str) else key
         self.key, self.message, self.fix = key, message, fix
         self.value = None if value is _MISSING else value
+        self._value_given = value is not _MISSING
         head = key if value is _MISSING else f"{key} = {value!r}"
         text = f"{head}: {message}"
         if fix:
             text += f". Fix: {fix}"
         super().__init__(text)
+
+    def __reduce__(self):
+        # Raised in Ray workers and re-raised on the driver: keep the fields through pickling.
+        kwargs = {"value": self.value, "fix": self.fix} if self._value_given else {"fix": self.fix}
+        return (_rebuild, (type(self), (self.key, self.message), kwargs))
 
 
 class ConfigErrors(ConfigError):
@@ -57,6 +63,9 @@ class ConfigErrors(ConfigError):
         RaydeepError.__init__(self, "\n".join(str(e) for e in errors))
         self.key, self.message, self.fix, self.value = keys, str(self), None, None
 
+    def __reduce__(self):
+        return (type(self), (self.errors,))
+
 
 class ElasticityError(ConfigError):
     """The current world size has no valid batch plan under the `elasticity` section."""
@@ -67,3 +76,34 @@ class CheckpointError(RaydeepError):
 
     The message names the file and, for corruption, the expected and actual digests.
     """
+
+
+class InputError(RaydeepError):
+    """A run input other than the ds_config that cannot work: a dataset, a model choice, a storage
+    path. Deterministic: retrying cannot help, so the run fails once, naming the input and the fix.
+
+    >>> str(InputError("--data", "no Parquet files in the directory", value="corpus/", fix="build one"))
+    "--data = 'corpus/': no Parquet files in the directory. Fix: build one"
+    """
+
+    def __init__(self, name: str, message: str, *, value: Any = _MISSING, fix: str | None = None):
+        self.name, self.message, self.fix = name, message, fix
+        self.value = None if value is _MISSING else value
+        self._value_given = value is not _MISSING
+        head = name if value is _MISSING else f"{name} = {value!r}"
+        super().__init__(f"{head}: {message}" + (f". Fix: {fix}" if fix else ""))
+
+    def __reduce__(self):
+        # Raised in Ray workers and re-raised on the driver: keep the fields through pickling.
+        kwargs = {"value": self.value, "fix": self.fix} if self._value_given else {"fix": self.fix}
+        return (_rebuild, (type(self), (self.name, self.message), kwargs))
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict) -> RaydeepError:
+    return cls(*args, **kwargs)
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint whose bytes are damaged or missing: a file that fails its sha256, an
+    unreadable manifest, a file the manifest lists that is gone. An older committed checkpoint
+    may still be intact, which is what a resume falls back to."""

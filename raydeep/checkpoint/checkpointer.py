@@ -22,7 +22,7 @@ from raydeep.checkpoint import restore, snapshot
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.checkpoint.storage import Storage
 from raydeep.checkpoint.writer import TagWriter, committed_tags, new_manifest
-from raydeep.errors import CheckpointError
+from raydeep.errors import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger("raydeep")
 
@@ -160,6 +160,35 @@ class Checkpointer:
         logger.info("loaded checkpoint %s", reader.path)
         return reader.path, client
 
+    def load_first_intact(self, load_dir, tags: list[str], skipped: list[tuple[str, str]] = ()
+                          ) -> tuple[str, dict, list[tuple[str, str]]]:
+        """Collective: load the first of ``tags`` (newest first) that passes verification.
+
+        A tag that is damaged (a file failing its sha256, a missing file, an unreadable manifest)
+        is skipped for the next; any other failure (a checkpoint of another model, say) is raised
+        at once. Returns ``(tag, client_state, skipped)`` with ``skipped`` = ``[(tag, reason)]``
+        (starting with the ones passed in, already found damaged); raises
+        :class:`CorruptCheckpointError` when none is intact.
+
+        Note: a tag that fails can only fail in the read phase (before anything is published), in
+        which the ranks fill their fp32 master ranges; the next tag's read overwrites every range
+        again, so nothing of a damaged checkpoint survives into training.
+        """
+        skipped = list(skipped)
+        for tag in tags:
+            try:
+                _, client = self.load(load_dir, tag)
+                return tag, client, skipped
+            except CorruptCheckpointError as err:
+                skipped.append((tag, str(err)))
+                if self.engine.rank == 0:
+                    logger.warning("checkpoint %s is damaged, trying an older one: %s", tag, err)
+        where = Storage.open(load_dir).describe()
+        reasons = "".join(f"\n  {tag}: {reason}" for tag, reason in skipped)
+        raise CorruptCheckpointError(f"no intact checkpoint to resume from under {where}; every one is damaged:"
+                                     f"{reasons}\nFix: restore these files from a copy, or start afresh under a "
+                                     "new run name (the damaged checkpoints are left as they are, for inspection)")
+
     # --- coordination -----------------------------------------------------------------------------
     def _coordination_group(self):
         if self.engine.world_size == 1 or not dist.is_initialized():
@@ -188,7 +217,9 @@ class Checkpointer:
             result, error = fn(), None
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             result, error = None, err
-        message = None if error is None else f"rank {self.engine.rank}: {error}"
+        # Whether the failure is damage (an older checkpoint may be intact) travels with the message.
+        message = None if error is None else (f"rank {self.engine.rank}: {error}",
+                                              isinstance(error, CorruptCheckpointError))
         group = self._coordination_group()
         if group is not None and not share:
             digest = zlib.crc32(same.encode()) if same is not None else 0
@@ -201,5 +232,6 @@ class Checkpointer:
         if error is not None and len(failures) == 1:
             raise error  # only this rank failed: keep its own type and traceback
         if failures:
-            raise CheckpointError(f"checkpoint {step} failed: " + "; ".join(failures))
+            kind = CorruptCheckpointError if all(corrupt for _, corrupt in failures) else CheckpointError
+            raise kind(f"checkpoint {step} failed: " + "; ".join(text for text, _ in failures))
         return [r for _, r in outcomes] if share or same is not None else result

@@ -28,7 +28,7 @@ import json
 import torch
 from safetensors.torch import load as st_load
 
-from raydeep.errors import CheckpointError
+from raydeep.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT = "raydeep-checkpoint"
 VERSION = 1
@@ -111,6 +111,21 @@ def encode(tensors: dict[str, torch.Tensor]) -> list:
     return [len(text).to_bytes(8, "little") + text] + chunks
 
 
+def check_name(name, what: str, where: str, written_by_user: bool = False) -> str:
+    """``name`` if it is one plain path component, else a CheckpointError.
+
+    Tags (from ``latest`` or a caller) and file names (from a manifest) are joined onto the
+    checkpoint directory: a crafted ``latest`` or manifest naming ``../x`` or ``/etc/x`` must not
+    make a load read outside it. A bad name read from the checkpoint itself makes it corrupt;
+    one the caller passed (``written_by_user``) is the caller's mistake.
+    """
+    if isinstance(name, str) and name.strip() and not name.startswith(".") and not any(c in name for c in "/\\\0"):
+        return name
+    error = CheckpointError if written_by_user else CorruptCheckpointError
+    raise error(f"{where}: {what} {name!r} is not a plain name (a non-empty name without '/', '\\' or a "
+                "leading '.')")
+
+
 def encoded_size(data: bytes | list) -> int:
     chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     return sum(memoryview(c).nbytes for c in chunks)
@@ -120,7 +135,7 @@ def decode(data: bytes, where: str) -> dict[str, torch.Tensor]:
     try:
         return st_load(data)
     except Exception as err:  # safetensors raises its own error types for a bad header
-        raise CheckpointError(f"{where}: not a readable safetensors file ({err})") from err
+        raise CorruptCheckpointError(f"{where}: not a readable safetensors file ({err})") from err
 
 
 def dtype_name(dtype: torch.dtype) -> str:

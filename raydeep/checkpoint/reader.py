@@ -18,16 +18,18 @@ import torch
 
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.storage import Storage
-from raydeep.errors import CheckpointError
+from raydeep.errors import CheckpointError, CorruptCheckpointError
 
 
 def resolve_tag(storage: Storage, tag: str | None) -> str | None:
-    """The given tag, or the one ``latest`` names; None when there is no ``latest``."""
+    """The given tag, or the one ``latest`` names; None when there is no ``latest``. Either must
+    be a plain name inside the checkpoint directory."""
     if tag is not None:
-        return tag
+        return fmt.check_name(tag, "checkpoint tag", storage.describe(), written_by_user=True)
     if not storage.exists(fmt.LATEST):
         return None
-    return storage.read(fmt.LATEST).decode().strip()
+    text = storage.read(fmt.LATEST).decode(errors="replace").strip()
+    return fmt.check_name(text, "the tag it names", storage.describe(fmt.LATEST))
 
 
 class CheckpointReader:
@@ -53,14 +55,17 @@ class CheckpointReader:
         manifest_path = f"{resolved}/{fmt.MANIFEST}"
         if not storage.exists(manifest_path):
             state = "was never committed (its save did not finish)" if storage.is_dir(resolved) else "does not exist"
-            raise CheckpointError(f"checkpoint {storage.describe(resolved)} {state}: "
-                                  f"{fmt.MANIFEST} is missing")
+            # A tag that ``latest`` names must exist: then its absence is damage, not a wrong name.
+            error = CheckpointError if tag is not None else CorruptCheckpointError
+            raise error(f"checkpoint {storage.describe(resolved)} {state}: {fmt.MANIFEST} is missing")
         try:
             manifest = json.loads(storage.read(manifest_path))
         except ValueError as err:
-            raise CheckpointError(f"{storage.describe(manifest_path)} is not valid JSON ({err})") from err
-        if manifest.get("format") != fmt.FORMAT:
-            raise CheckpointError(f"{storage.describe(manifest_path)} is not a raydeep checkpoint manifest")
+            raise CorruptCheckpointError(f"{storage.describe(manifest_path)} is not valid JSON ({err})") from err
+        if not isinstance(manifest, dict) or manifest.get("format") != fmt.FORMAT:
+            raise CorruptCheckpointError(f"{storage.describe(manifest_path)} is not a raydeep checkpoint manifest")
+        for name in manifest.get("files", {}):
+            fmt.check_name(name, "file name", storage.describe(manifest_path))
         if manifest.get("version", 0) > fmt.VERSION:
             raise CheckpointError(f"{storage.describe(manifest_path)} has format version {manifest['version']}; "
                                   f"this raydeep reads up to {fmt.VERSION}: upgrade raydeep")
@@ -77,14 +82,14 @@ class CheckpointReader:
             entry = self.manifest["files"].get(name)
             where = self.storage.describe(f"{self.tag}/{name}")
             if entry is None:
-                raise CheckpointError(f"{where} is not listed in the manifest")
+                raise CorruptCheckpointError(f"{where} is not listed in the manifest")
             try:
                 data = self.storage.read(f"{self.tag}/{name}")
             except (FileNotFoundError, OSError) as err:
-                raise CheckpointError(f"{where} is missing or unreadable ({err})") from err
+                raise CorruptCheckpointError(f"{where} is missing or unreadable ({err})") from err
             actual = fmt.sha256(data)
             if actual != entry["sha256"]:
-                raise CheckpointError(f"{where} is corrupt: sha256 expected {entry['sha256']}, got {actual} "
+                raise CorruptCheckpointError(f"{where} is corrupt: sha256 expected {entry['sha256']}, got {actual} "
                                       f"({len(data)} bytes, expected {entry['bytes']})")
             self._files[name] = fmt.decode(data, where)
         return self._files[name]

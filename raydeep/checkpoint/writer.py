@@ -34,8 +34,9 @@ class TagWriter:
 
     @staticmethod
     def check_tag(tag: str) -> None:
-        if not tag or "/" in tag or tag.startswith("."):
-            raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' and not start with '.'")
+        if not isinstance(tag, str) or not tag.strip() or tag.startswith(".") or any(c in tag for c in "/\\\0"):
+            raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or '\\' and not "
+                             "start with '.'")
 
     def prepare(self) -> None:
         """Rank 0, before any rank writes: start from an empty staging location."""

@@ -14,10 +14,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from raydeep.config.batch import BatchPlan, derive_batch, elastic_plan
-from raydeep.config.keys import check_keys
+from raydeep.config.keys import check_keys, spellings
 from raydeep.config.loading import AUTO, apply_overrides, drop_auto, find_auto, read_config
 from raydeep.config.model import BATCH_KEYS, UNSUPPORTED, RaydeepConfig
 from raydeep.config.rules import check_rules
+from raydeep.config.support import written_spellings
 from raydeep.config.zero import DEPRECATED_ZERO_KEYS, ZeroConfig, field_spellings
 from raydeep.errors import ConfigError, ConfigErrors, key_part
 
@@ -59,9 +60,11 @@ def load_config(config: Any, *, world_size: int | None = None,
         raise ConfigError("world_size", "must be at least 1", value=world_size, fix="pass the number of workers")
     data = apply_overrides(read_config(config), overrides)
     warnings: list[str] = []
-    _normalise(data, warnings)
+    renamed: dict[str, tuple[str, bool]] = {}
+    _normalise(data, warnings, renamed)
     _resolve_auto(data, warnings)
     cfg = _validate(data)
+    cfg._written = written_spellings(data, RaydeepConfig, renamed)  # so messages name the keys as written
     plan = _batch_plan(cfg, world_size, warnings)
     for key, value in zip(BATCH_KEYS, (plan.train_batch_size, plan.micro_batch, plan.grad_accum)):
         object.__setattr__(cfg, key, value)
@@ -82,8 +85,10 @@ def _raise(errors: list[ConfigError]) -> None:
         raise ConfigErrors(errors)
 
 
-def _normalise(data: dict, warnings: list[str]) -> None:
-    """Legacy spellings, unsupported top-level keys and unknown keys, before validation."""
+def _normalise(data: dict, warnings: list[str], renamed: dict[str, tuple[str, bool]]) -> None:
+    """Legacy spellings, unsupported top-level keys and unknown keys, before validation. ``renamed``
+    collects, per legacy spelling translated, canonical path -> (legacy key, whether its value was
+    translated too) -- see ``support.written_spellings``."""
     errors: list[ConfigError] = []
     if "bfloat16" in data:
         legacy = data.pop("bfloat16")
@@ -91,12 +96,13 @@ def _normalise(data: dict, warnings: list[str]) -> None:
             warnings.append('both "bf16" and the legacy "bfloat16" are given; "bf16" wins, as in DeepSpeed')
         else:
             data["bf16"] = legacy
+            renamed["bf16"] = ("bfloat16", False)
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):
         warnings.append('"zero_optimization": true/false is deprecated; use {"stage": N}')
         data["zero_optimization"] = zero = {"stage": 1 if zero else 0}
     if isinstance(zero, dict):
-        errors += _normalise_zero(zero, warnings)
+        errors += _normalise_zero(zero, warnings, renamed)
     for key in [k for k in data if k in UNSUPPORTED]:
         action, text = UNSUPPORTED[key]
         value = data.pop(key)
@@ -109,7 +115,7 @@ def _normalise(data: dict, warnings: list[str]) -> None:
     _raise(errors)
 
 
-def _normalise_zero(zero: dict, warnings: list[str]) -> list[ConfigError]:
+def _normalise_zero(zero: dict, warnings: list[str], renamed: dict[str, tuple[str, bool]]) -> list[ConfigError]:
     errors = []
     for old, (new, translate) in DEPRECATED_ZERO_KEYS.items():
         if old not in zero:
@@ -122,6 +128,7 @@ def _normalise_zero(zero: dict, warnings: list[str]) -> list[ConfigError]:
         value = translate(zero.pop(old))
         if value is not None:
             zero[new] = value
+            renamed[f"zero_optimization.{spellings(ZeroConfig)[new]}"] = (f"zero_optimization.{old}", True)
     if "cpu_offload_use_pin_memory" in zero:
         zero.pop("cpu_offload_use_pin_memory")
         warnings.append("zero_optimization.cpu_offload_use_pin_memory is deprecated and has no effect")

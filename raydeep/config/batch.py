@@ -30,17 +30,21 @@ class BatchPlan:
     world_size: int
 
 
-MICRO, GRAD_ACC = "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+TRAIN, MICRO, GRAD_ACC = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+_LABELS = {MICRO: "Micro batch size per gpu", GRAD_ACC: "Gradient accumulation steps"}
 
 
 def derive_batch(train_batch: int | None, micro: int | None, grad_acc: int | None, world_size: int) -> BatchPlan:
     """DeepSpeed's ``_set_batch_related_parameters`` followed by ``_batch_assertion``.
 
+    Every error names a key the user gave; a value raydeep derived is described as derived, with
+    the arithmetic that produced it.
+
     >>> derive_batch(32, 4, None, 2)
     BatchPlan(train_batch_size=32, micro_batch=4, grad_accum=4, world_size=2)
     """
     B, m, g, W = train_batch, micro, grad_acc, world_size
-    given = {key for key, v in ((MICRO, m), (GRAD_ACC, g)) if v is not None}
+    given = {key for key, v in ((TRAIN, B), (MICRO, m), (GRAD_ACC, g)) if v is not None}
     if B is not None and m is not None and g is not None:
         pass
     elif B is not None and m is not None:
@@ -56,7 +60,7 @@ def derive_batch(train_batch: int | None, micro: int | None, grad_acc: int | Non
     elif m is not None:
         B, g = m * W, 1
     else:
-        raise ConfigError("train_batch_size", "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
+        raise ConfigError(TRAIN, "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided",
                           fix="set train_micro_batch_size_per_gpu (and optionally gradient_accumulation_steps)")
     _assert_batch(B, m, g, W, given)
     return BatchPlan(B, m, g, W)
@@ -67,33 +71,49 @@ def _refuse_zero_divisor(B: int, key: str, value: int) -> None:
     # zero; fail the check it would have reached instead, batch size first as in its order.
     if value == 0:
         _check_train_batch(B, fix="make every batch key a positive integer")
-        _check_positive(key, 0, given=True, fix="")
+        _check_given(key, 0)
 
 
 def _check_train_batch(B: int, fix: str) -> None:
     if B <= 0:
-        raise ConfigError("train_batch_size", f"Train batch size: {B} has to be greater than 0", value=B, fix=fix)
+        raise ConfigError(TRAIN, f"Train batch size: {B} has to be greater than 0", value=B, fix=fix)
 
 
-def _check_positive(key: str, value: int, *, given: bool, fix: str) -> None:
-    # A value the user wrote is fixed at its key; a derived one by giving a larger train_batch_size.
+def _check_given(key: str, value: int) -> None:
     if value <= 0:
-        label = "Micro batch size per gpu" if key == MICRO else "Gradient accumulation steps"
-        raise ConfigError(key, f"{label}: {value} has to be greater than 0", value=value,
-                          fix=f"set {key} to a positive integer" if given else fix)
+        raise ConfigError(key, f"{_LABELS[key]}: {value} has to be greater than 0", value=value,
+                          fix=f"set {key} to a positive integer")
+
+
+def _check_derived(key: str, value: int, arithmetic: str, B: int, fix: str) -> None:
+    # A derived value comes from train_batch_size (the only key both derivations divide), so the
+    # error names that key and shows how the value was derived.
+    if value <= 0:
+        raise ConfigError(TRAIN, f"{_LABELS[key]}: {value} has to be greater than 0 ({key} is derived as "
+                          f"{arithmetic})", value=B, fix=fix)
 
 
 def _assert_batch(B: int, m: int, g: int, W: int, given: set[str] | frozenset[str] = frozenset()) -> None:
-    _check_train_batch(B, fix=f"use at least micro_batch * world_size = {m * W} for world size {W}" if m > 0 and g > 0
-                       else "make every batch key a positive integer")
-    _check_positive(MICRO, m, given=MICRO in given,
-                    fix=f"train_batch_size must be at least gradient_accumulation_steps * world_size = {g * W}" if g > 0
-                    else f"set {GRAD_ACC} to a positive integer")
-    _check_positive(GRAD_ACC, g, given=GRAD_ACC in given,
-                    fix=f"train_batch_size must be at least micro_batch * world_size = {m * W}")
+    """DeepSpeed's four checks in its order, the keys the user gave before the values derived from
+    them. A derived train_batch_size (m * g * W, or m * W) is positive exactly when the keys it came
+    from are, so those keys are checked instead."""
+    if TRAIN in given:
+        _check_train_batch(B, fix=f"use at least micro_batch * world_size = {m * W} for world size {W}"
+                           if m > 0 and g > 0 else "make every batch key a positive integer")
+    for key, value in ((MICRO, m), (GRAD_ACC, g)):
+        if key in given:
+            _check_given(key, value)
+    if MICRO not in given:
+        _check_derived(MICRO, m, "train_batch_size // world_size // gradient_accumulation_steps = "
+                       f"{B} // {W} // {g}", B,
+                       fix=f"set train_batch_size to at least gradient_accumulation_steps * world_size = {g * W}")
+    if GRAD_ACC not in given:
+        _check_derived(GRAD_ACC, g, "train_batch_size // train_micro_batch_size_per_gpu // world_size = "
+                       f"{B} // {m} // {W}", B,
+                       fix=f"set train_batch_size to at least micro_batch * world_size = {m * W}")
     if B != m * g * W:
         raise ConfigError(
-            "train_batch_size",
+            TRAIN,
             "Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
             f"gradient_acc_step * world_size {B} != {m} * {g} * {W}", value=B,
             fix=f"set train_batch_size to {m * g * W}, or remove one of the three keys so it is derived for world size {W}")

@@ -16,13 +16,13 @@ from pydantic import BaseModel
 from raydeep.errors import ConfigError, key_part
 
 
-def _section_type(annotation: Any) -> type[BaseModel] | None:
+def section_type(annotation: Any) -> type[BaseModel] | None:
     """The Section class inside ``X``, ``X | None`` or ``Optional[X]``, if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
-            found = _section_type(arg)
+            found = section_type(arg)
             if found is not None:
                 return found
     return None
@@ -70,7 +70,7 @@ def check_keys(data: dict, model: type[BaseModel], prefix: str = "",
         if key not in names:
             errors.append(unknown_key_error(prefix + key_part(key), key, list(names), where))
             continue
-        sub = _section_type(model.model_fields[names[key]].annotation)
+        sub = section_type(model.model_fields[names[key]].annotation)
         if sub is not None and isinstance(value, dict):
             errors += check_keys(value, sub, f"{prefix}{key}.")
     return errors

@@ -1,7 +1,9 @@
 """The top-level ds_config model: every DeepSpeed 0.19.8 training key, plus ``raydeep``.
 
-Keys DeepSpeed knows but raydeep does not implement are listed in ``UNSUPPORTED`` with what
-happens to them: an error ("not supported by raydeep") or, where they are harmless, a warning.
+What raydeep does with each field of the model (honoured, warned about, or refused) is the table
+in ``raydeep.config.support``. DeepSpeed top-level keys that are not fields at all are listed in
+``UNSUPPORTED`` with what happens to them: an error ("not supported by raydeep") or, where they are
+harmless, a warning.
 """
 from __future__ import annotations
 
@@ -90,6 +92,8 @@ class RaydeepConfig(Section):
     # Set by load_config: the data-parallel world size the batch keys were derived for.
     _world_size: int = PrivateAttr(1)
     _warnings: list = PrivateAttr(default_factory=list)
+    # Set by load_config: canonical dotted path -> the spelling the user wrote, where they differ.
+    _written: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -97,6 +101,14 @@ class RaydeepConfig(Section):
         if isinstance(data, dict) and isinstance(data.get("gradient_allreduce_op"), str):
             data = dict(data, gradient_allreduce_op=data["gradient_allreduce_op"].lower())
         return data
+
+    @model_validator(mode="after")
+    def _disabled_comms_logger_is_absent(self) -> "RaydeepConfig":
+        # DeepSpeed logs collectives only with comms_logger.enabled; the engine switches its logging
+        # on by the section's presence, so a disabled section must not be present.
+        if self.comms_logger is not None and not self.comms_logger.enabled:
+            object.__setattr__(self, "comms_logger", None)
+        return self
 
     @field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")
     @classmethod

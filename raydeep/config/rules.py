@@ -1,5 +1,5 @@
-"""Cross-field rules: combinations DeepSpeed refuses, features raydeep does not implement,
-settings that have no effect (warnings), and the field report's advice.
+"""Cross-field rules: combinations DeepSpeed refuses, settings raydeep does not implement or that
+have no effect in raydeep (from the table in ``support.py``), and the field report's advice.
 
 Each rule appends to ``errors`` (ConfigError) or ``warnings`` (str); ``check_rules`` runs them all
 so a user sees every problem at once.
@@ -7,14 +7,14 @@ so a user sees every problem at once.
 from __future__ import annotations
 
 from raydeep.config.model import RaydeepConfig
+from raydeep.config.support import check_support
 from raydeep.errors import ConfigError, ConfigErrors, dotted_key, key_part
-
-ONEBIT_OPTIMIZERS = {"onebitadam", "zerooneadam", "onebitlamb"}
 
 
 def check_rules(cfg: RaydeepConfig, errors: list[ConfigError], warnings: list[str]) -> None:
-    """Run every cross-field rule on a validated config."""
-    for rule in (_precision_rules, _zero_rules, _zeropp_rules, _offload_rules, _reduction_rules,
+    """Run every cross-field rule on a validated config, the per-field support table first."""
+    check_support(cfg, errors, warnings, cfg._written)
+    for rule in (_precision_rules, _zero_rules, _offload_rules, _reduction_rules,
                  _activation_checkpointing_rules, _optimizer_rules, _scheduler_rules, _advice):
         rule(cfg, errors, warnings)
 
@@ -29,12 +29,6 @@ def _precision_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
             if getattr(fp16, key) <= 0:
                 errors.append(ConfigError(f"fp16.{key}", f"fp16.{key} must be > 0 when dynamic loss scaling is "
                                           "enabled (loss_scale=0)", value=getattr(fp16, key), fix=f"set fp16.{key} to a positive integer"))
-    if fp16.fp16_master_weights_and_grads:
-        errors.append(ConfigError("fp16.fp16_master_weights_and_grads", "is not supported by raydeep (it needs "
-                                  "DeepSpeed's half-precision CPU Adam)", value=True, fix="remove it; raydeep keeps fp32 master weights"))
-    if cfg.bf16.bf16_master_weights_and_grads or cfg.bf16.bf16_optimizer_states:
-        errors.append(ConfigError("bf16.bf16_master_weights_and_grads", "is not supported by raydeep", value=True,
-                                  fix="remove it; raydeep keeps fp32 master weights and optimizer states"))
     param_dtype = cfg.data_types.param_dtype
     if param_dtype is not None and param_dtype != cfg.precision:
         errors.append(ConfigError("data_types.param_dtype", f"must match the enabled precision ({cfg.precision})",
@@ -47,69 +41,21 @@ def _precision_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
 
 def _zero_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     zero = cfg.zero_optimization
-    if zero.legacy_stage1:
-        errors.append(ConfigError("zero_optimization.legacy_stage1", "The deprecated version of ZeRO Stage 1 is not "
-                                  "supported in deepspeed >= 0.5.9", value=True, fix="remove legacy_stage1"))
     if zero.allgather_bucket_size % 2:
         errors.append(ConfigError("zero_optimization.allgather_bucket_size", "allgather_bucket_size must be a multiple "
                                   "of nccl_start_alignment_factor", value=zero.allgather_bucket_size, fix="use an even number"))
     if not zero.compute_grad_norm and zero.stage not in (1, 2):
         errors.append(ConfigError("zero_optimization.compute_grad_norm", "compute_grad_norm=false is supported only "
                                   "with ZeRO Stage 1 or 2", value=False, fix="remove it or use stage 1/2"))
-    if zero.round_robin_gradients:
-        warnings.append("zero_optimization.round_robin_gradients has no effect: raydeep partitions every gradient "
-                        "bucket evenly across ranks, which already spreads the reduction work")
-    if zero.elastic_checkpoint:
-        warnings.append("zero_optimization.elastic_checkpoint has no effect: raydeep checkpoints always load on any "
-                        "world size and stage")
-    if zero.use_all_reduce_for_fetch_params:
-        warnings.append("zero_optimization.stage3_use_all_reduce_for_fetch_params has no effect: parameters are "
-                        "always gathered with all-gather")
-    if not cfg.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
-        errors.append(ConfigError("managed_gradient_accumulation", "false is incompatible with overlap_comm below "
-                                  "ZeRO stage 2", value=False, fix="set zero_optimization.overlap_comm to false"))
-
-
-def _zeropp_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
-    zero = cfg.zero_optimization
-    given = zero.model_fields_set
-    checks = [
-        ("zero_hpz_partition_size", zero.zero_hpz_partition_size > 1, "ZeRO++ hierarchical partitioning (hpZ)"),
-        ("zero_quantized_weights", zero.zero_quantized_weights, "ZeRO++ quantized weights (qwZ)"),
-        ("zero_quantized_nontrainable_weights", zero.zero_quantized_nontrainable_weights, "ZeRO++ quantized weights"),
-        ("zero_quantized_gradients", zero.zero_quantized_gradients, "ZeRO++ quantized gradients (qgZ)"),
-        ("zeropp_loco_param", "zeropp_loco_param" in given, "LoCo-ZeRO++"),
-        ("mics_shard_size", "mics_shard_size" in given, "MiCS"),
-        ("mics_hierarchical_params_gather", "mics_hierarchical_params_gather" in given, "MiCS"),
-        ("zenflow", zero.zenflow is not None, "ZenFlow"),
-    ]
-    for key, present, feature in checks:
-        if present:
-            errors.append(ConfigError(f"zero_optimization.{key}", f"{feature} is not supported by raydeep",
-                                      value=getattr(zero, key), fix=f"remove zero_optimization.{key}"))
 
 
 def _offload_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
+    # The devices themselves are refused by the support table; DeepSpeed's own rule still applies.
     zero = cfg.zero_optimization
-    for name in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, name)
-        if section is not None and section.device == "nvme":
-            errors.append(ConfigError(f"zero_optimization.{name}.device", "NVMe offload is not supported by raydeep",
-                                      value="nvme", fix='use "cpu" (raydeep can place optimizer states on CPU nodes)'))
     opt = zero.offload_optimizer
     if opt is not None and opt.ratio < 1.0 and zero.stage != 3:
         errors.append(ConfigError("zero_optimization.offload_optimizer.ratio", "Partial offloading only supported for "
                                   "ZeRO Stage 3.", value=opt.ratio, fix="use stage 3 or remove ratio"))
-    if opt is not None and opt.super_offload:
-        errors.append(ConfigError("zero_optimization.offload_optimizer.super_offload", "SuperOffload is not supported "
-                                  "by raydeep", value=True, fix="remove super_offload"))
-    if opt is not None and opt.device == "cpu" and zero.stage == 0:
-        errors.append(ConfigError("zero_optimization.offload_optimizer.device", "optimizer offload needs ZeRO stage "
-                                  ">= 1", value="cpu", fix="set zero_optimization.stage to 1, 2 or 3"))
-    param = zero.offload_param
-    if param is not None and param.device != "none" and zero.stage != 3:
-        warnings.append(f"zero_optimization.offload_param has no effect below stage 3 (stage is {zero.stage}), "
-                        "as in DeepSpeed")
 
 
 def _reduction_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
@@ -138,11 +84,6 @@ def _activation_checkpointing_rules(cfg: RaydeepConfig, errors: list, warnings: 
         errors.append(ConfigError("activation_checkpointing.number_checkpoints", "Must specify the number of layers "
                                   "with contiguous memory checkpointing", value=None,
                                   fix="set number_checkpoints to the number of checkpointed layers"))
-    if ac.partition_activations:
-        warnings.append("activation_checkpointing.partition_activations has no effect: it splits activations across "
-                        "tensor-parallel ranks, and raydeep runs data parallel only")
-    if ac.cpu_checkpointing:
-        warnings.append("activation_checkpointing.cpu_checkpointing is not implemented; checkpoints stay on the device")
 
 
 def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
@@ -151,6 +92,7 @@ def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     from raydeep.optim.optimizers import needs_untested_flag, resolve_optimizer
 
     try:
+        # Refuses the compressed-communication family (1-bit Adam, 0/1 Adam, 1-bit LAMB) too.
         spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
     except ValueError as exc:
         errors.append(_as_config_error(exc, "optimizer.type", cfg.optimizer.type))
@@ -159,14 +101,7 @@ def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr <= 0:
         errors.append(ConfigError("optimizer.params.lr", "must be a positive learning rate", value=lr,
                                   fix="set a learning rate > 0, e.g. 3e-4"))
-    stage = cfg.zero_optimization.stage
-    if spec.name in ONEBIT_OPTIMIZERS:
-        if stage >= 1:
-            errors.append(ConfigError("optimizer.type", f"{cfg.optimizer.type} is incompatible with ZeRO stage {stage} "
-                                      "(as in DeepSpeed)", value=cfg.optimizer.type, fix="set zero_optimization.stage to 0"))
-        if not cfg.fp16.enabled:
-            warnings.append(f"{cfg.optimizer.type} convergence was only verified with fp16 mixed precision")
-    elif stage >= 1 and needs_untested_flag(spec) and not cfg.zero_allow_untested_optimizer:
+    if cfg.zero_optimization.stage >= 1 and needs_untested_flag(spec) and not cfg.zero_allow_untested_optimizer:
         errors.append(ConfigError("zero_allow_untested_optimizer", "You are using an untested ZeRO Optimizer. Please "
                                   'add <"zero_allow_untested_optimizer": true> in the configuration file to use it.',
                                   value=False, fix="set zero_allow_untested_optimizer to true"))
@@ -238,16 +173,6 @@ def _advice(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     if gas is not None and gas > 32 and cfg.gradient_clipping == 0:
         warnings.append(f"gradient_accumulation_steps is {gas} with gradient clipping off: above 32 accumulation "
                         "steps gradients can explode; set gradient_clipping (e.g. 1.0)")
-    if cfg.vocabulary_size is not None and cfg.vocabulary_size % 8:
-        warnings.append(f"vocabulary_size {cfg.vocabulary_size} is not a multiple of 8; pad it for tensor-core "
-                        "friendly shapes")
-    for name in ("tensorboard", "csv_monitor", "wandb", "comet"):
-        if getattr(cfg, name).enabled:
-            warnings.append(f"{name} is not written by raydeep; metrics are reported through ray.train.report")
-    if cfg.flops_profiler.enabled:
-        warnings.append("flops_profiler is not implemented; raydeep reports MFU from the model's FLOPs per token")
-    if cfg.autotuning.enabled:
-        warnings.append("autotuning here has no effect; raydeep tunes with Ray Tune (raydeep tune)")
 
 
 def _as_config_error(exc: ValueError, default_key: str, value) -> ConfigError:

@@ -31,7 +31,8 @@ from raydeep.checkpointing import checkpoint, unimplemented_options
 logger = logging.getLogger("raydeep")
 
 # Options config.rules already warns about when the config is loaded.
-_WARNED_AT_LOAD = ("partition_activations", "cpu_checkpointing")
+_WARNED_AT_LOAD = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                   "synchronize_checkpoint_boundary", "profile")
 
 
 def select_modules(model: nn.Module, spec) -> list[nn.Module]:

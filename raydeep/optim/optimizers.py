@@ -8,8 +8,11 @@ keyword, ``max_grad_norm`` in the wrong place) is reported before any worker sta
 Name rules (DeepSpeed's ``DeepSpeedConfig`` + ``engine._configure_basic_optimizer``):
 
 * the type is lower-cased only if the lower-cased name is one of DeepSpeed's own names
-  (``adagrad, adam, adamw, lamb, lion, muadam, muadamw, musgd, muon``); raydeep also keeps
-  the compressed-communication family ``onebitadam, zerooneadam, onebitlamb``;
+  (``adagrad, adam, adamw, lamb, lion, muadam, muadamw, musgd, muon``) or of the
+  compressed-communication family ``onebitadam, zerooneadam, onebitlamb``. That family needs
+  compressed communication, which raydeep does not build yet: ``resolve_optimizer`` refuses it
+  with the optimizer to use instead, and :func:`resolve_compressed_optimizer` keeps validating
+  its params for the runtime that will build it;
 * anything else is looked up case-sensitively as ``torch.optim.<type>`` (``"SGD"`` works,
   ``"sgd"`` does not).
 
@@ -44,6 +47,7 @@ __all__ = [
     "OptimizerSpec",
     "build_optimizer",
     "needs_untested_flag",
+    "resolve_compressed_optimizer",
     "resolve_optimizer",
 ]
 
@@ -55,7 +59,7 @@ DEEPSPEED_OPTIMIZERS: tuple[str, ...] = (
 _UNSUPPORTED_DEEPSPEED = frozenset({"muadam", "muadamw", "musgd", "muon"})
 
 # Documented defaults of the compressed-communication optimizers (older DeepSpeed releases).
-# They are built by the compressed-communication runtime; here they are only validated.
+# Nothing builds them yet; resolve_compressed_optimizer validates their params against these.
 _ONEBIT_COMMON: dict[str, Any] = {
     "lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
     "eps_inside_sqrt": False, "weight_decay": 0.0, "amsgrad": False,
@@ -73,6 +77,8 @@ ONEBIT_OPTIMIZERS: dict[str, dict[str, Any]] = {
     },
 }
 _COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
+# What to use instead of each compressed-communication optimizer: the same update, uncompressed.
+_UNCOMPRESSED = {"onebitadam": "Adam", "zerooneadam": "Adam", "onebitlamb": "Lamb"}
 
 # Canonical spellings offered in did-you-mean suggestions and fixes.
 _DISPLAY_NAMES: dict[str, str] = {
@@ -96,8 +102,9 @@ _MAX_GRAD_NORM_MESSAGE = (
 class OptimizerSpec:
     """A resolved ``optimizer`` block: what to build and with which keyword arguments.
 
-    ``cls`` is ``None`` for the compressed-communication optimizers, which are built
-    elsewhere. ``adamw_mode`` is set only for Adam/AdamW (DeepSpeed's effective mode).
+    ``cls`` is ``None`` for the compressed-communication optimizers (only
+    :func:`resolve_compressed_optimizer` makes such a spec). ``adamw_mode`` is set only for
+    Adam/AdamW (DeepSpeed's effective mode).
 
     Example:
         >>> spec = resolve_optimizer("SGD", {"lr": 0.1, "momentum": 0.9})
@@ -341,6 +348,17 @@ def _resolve_onebit(name: str, params: dict[str, Any]) -> OptimizerSpec:
     return OptimizerSpec(name, None, _normalise({**defaults, **params}))
 
 
+def _compressed_not_built(type_name: str, name: str) -> ConfigError:
+    instead = _UNCOMPRESSED[name]
+    untested = ' with "zero_allow_untested_optimizer": true' if instead == "Lamb" else ""
+    return ConfigError(
+        "optimizer.type", f"{type_name} needs compressed communication, which raydeep does not implement yet",
+        value=type_name,
+        fix=f'use "{instead}", the same optimizer without compression (and drop the compression params such as '
+        "freeze_step, cuda_aware and comm_backend_name); to cut memory per rank, set zero_optimization.stage "
+        f"to 1, 2 or 3{untested}: ZeRO shards the optimizer states across ranks")
+
+
 def _resolve_class(type_name: str) -> tuple[str, type | None]:
     """Canonical name and class for ``type_name`` (class ``None``: resolved by a helper)."""
     lowered = type_name.lower()
@@ -377,6 +395,8 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
         raise ConfigError("optimizer.type", "must be a non-empty string", value=type_name,
                           fix='set it to an optimizer name such as "AdamW"')
     name, cls = _resolve_class(type_name)
+    if name in ONEBIT_OPTIMIZERS:
+        raise _compressed_not_built(type_name, name)
     params = dict(params or {})
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm", _MAX_GRAD_NORM_MESSAGE,
@@ -384,8 +404,6 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
                           fix='remove it and set "gradient_clipping" at the top level of the config')
     if name in ("adam", "adamw"):
         return _resolve_adam(name, params)
-    if name in ONEBIT_OPTIMIZERS:
-        return _resolve_onebit(name, params)
     if name in ("adagrad", "lion"):
         params.pop("fp32_optimizer_states", None)  # DeepSpeed's CPU Adagrad/Lion take it
     if name == "lion":
@@ -396,12 +414,31 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
     return OptimizerSpec(name, cls, _normalise(params))
 
 
+def resolve_compressed_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -> OptimizerSpec:
+    """Validate a compressed-communication optimizer block (1-bit Adam, 0/1 Adam, 1-bit LAMB) against
+    its documented keywords and defaults, for the runtime that will build it.
+
+    A ds_config naming one of these is refused by :func:`resolve_optimizer` (and so at load):
+    raydeep does not implement compressed communication yet.
+
+    Example:
+        >>> spec = resolve_compressed_optimizer("OneBitAdam", {"freeze_step": 400})
+        >>> spec.name, spec.cls, spec.kwargs["freeze_step"], spec.kwargs["comm_backend_name"]
+        ('onebitadam', None, 400, 'nccl')
+    """
+    name = type_name.lower() if isinstance(type_name, str) else type_name
+    if name not in ONEBIT_OPTIMIZERS:
+        raise ConfigError("optimizer.type", "is not a compressed-communication optimizer", value=type_name,
+                          fix="use one of " + ", ".join(_DISPLAY_NAMES[n] for n in ONEBIT_OPTIMIZERS))
+    return _resolve_onebit(name, dict(params or {}))
+
+
 def needs_untested_flag(spec: OptimizerSpec) -> bool:
     """Whether ZeRO needs ``"zero_allow_untested_optimizer": true`` for this optimizer.
 
     DeepSpeed's rule: Adam/AdamW (fused, CPU or torch), Adagrad and Lion are tested; Lamb
     (FusedLamb) and every other ``torch.optim`` class are not. The compressed-communication
-    family is incompatible with ZeRO and is rejected by the ZeRO config checks instead.
+    family is incompatible with ZeRO in DeepSpeed, so the flag never applies to it.
 
     Example:
         >>> needs_untested_flag(resolve_optimizer("AdamW", {}))
@@ -432,7 +469,7 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Iterable[Any],
     """
     if spec.cls is None:
         raise NotImplementedError(
-            f"{spec.name} is built by the compressed-communication runtime, not by build_optimizer")
+            f"{spec.name} needs compressed communication, which raydeep does not implement yet")
     # torch writes defaults into group dicts, so each attempt gets fresh copies.
     groups = list(param_groups)
     fresh = lambda: [dict(g) if isinstance(g, Mapping) else g for g in groups]  # noqa: E731

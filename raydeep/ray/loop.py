@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raydeep.errors import CheckpointError
 from raydeep.ray.batch_plan import BatchSchedule
 from raydeep.ray.ledger import SampleLedger, SampleOrder, micro_positions, step_ids_in_position_order
 from raydeep.ray.spec import TrainSpec
@@ -38,6 +39,8 @@ class Session(Protocol):
     """Where one attempt's checkpoints come from and go to, and who hears about progress."""
 
     driver_id: str
+
+    skipped: list  # [(tag, reason)] of damaged checkpoints the last restore passed over
 
     def restore(self, engine) -> dict | None:
         """Load the checkpoint to resume from into ``engine``; its client_state, or None to start fresh."""
@@ -65,7 +68,8 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     source = {"data": spec.data, "num_samples": len(dataset), "seed": spec.seed}
     state, ledger = _resume(session, engine, source)
     attempt = {"driver": session.driver_id, "world_size": world, "micro_batch": plan.micro_batch,
-               "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time()}
+               "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time(),
+               "skipped_checkpoints": [list(entry) for entry in session.skipped]}
     attempts = list(state.get("attempts", [])) + [attempt]
     session.attempt_started(attempt)
     first_loss, last_loss = state.get("first_loss"), state.get("last_loss")
@@ -81,7 +85,7 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
-            session.save(engine, f"global_step{step}", client_state,
+            session.save(engine, _tag(step, session.skipped, len(attempts)), client_state,
                          {"step": step, "loss": last_loss, "samples": engine.global_samples,
                           "samples_sha256": ledger.digest})
 
@@ -96,6 +100,14 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     return result
 
 
+def _tag(step: int, skipped: list, attempt: int) -> str:
+    """DeepSpeed's ``global_step{N}``, or a new name where a damaged checkpoint of that step lies:
+    Ray Train still tracks the damaged one's directory and deletes it when it rotates it out, so
+    a save must not reuse that directory (and the damaged files stay for inspection until then)."""
+    tag = f"global_step{step}"
+    return f"{tag}-attempt{attempt}" if tag in {name for name, _ in skipped} else tag
+
+
 def _resume(session: Session, engine, source: dict) -> tuple[dict, SampleLedger]:
     """The checkpoint's client_state (empty for a fresh run) and its sample ledger."""
     state = session.restore(engine) or {}
@@ -105,8 +117,8 @@ def _resume(session: Session, engine, source: dict) -> tuple[dict, SampleLedger]
                        "exactly-once holds only for an unchanged dataset and seed", state["source"], source)
     ledger = SampleLedger.from_state(state["ledger"]) if "ledger" in state else SampleLedger()
     if ledger.samples != engine.global_samples:
-        raise RuntimeError(f"checkpoint is inconsistent: the engine consumed {engine.global_samples} samples, "
-                           f"the sample ledger {ledger.samples}")
+        raise CheckpointError(f"checkpoint is inconsistent: the engine consumed {engine.global_samples} samples, "
+                              f"the sample ledger {ledger.samples}")
     return state, ledger
 
 

@@ -70,9 +70,14 @@ class ProgressBar:
         attempts = snapshot["attempts"]
         for attempt in attempts[self._attempts_shown:]:
             how = "started" if attempt["index"] == 0 else "restarted"
+            for tag, reason in attempt.get("skipped_checkpoints", []):
+                self.console.print(f"[yellow]warning:[/yellow] checkpoint {tag} is damaged and was skipped: {reason}")
             self.console.print(f"worker group {how}: {attempt['world_size']} workers (micro batch "
                                f"{attempt['micro_batch']} x {attempt['grad_accum']} accumulation), from step "
                                f"{attempt['resumed_from_step']}")
+            if attempt.get("skipped_checkpoints"):
+                self.console.print(f"  resumed from the newest intact checkpoint instead, at step "
+                                   f"{attempt['resumed_from_step']}")
         self._attempts_shown = len(attempts)
         latest = snapshot["latest"]
         if latest:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import copy
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
-from raydeep.errors import ConfigError
+from raydeep.errors import ConfigError, InputError
+
+BUILTIN_DATA = ("builtin", "synthetic")  # --data values that name a source instead of a path
 
 # The README run: the tiny GPT with ZeRO-3. The global batch (16) stays fixed; at 2 workers each
 # accumulates once, at 1 worker twice. "auto" in the schedule is filled from --steps.
@@ -58,6 +61,46 @@ def _normalise_storage(path: str) -> str:
     return path.rstrip("/") if "://" in path else os.path.abspath(os.path.expanduser(path))
 
 
+def _normalise_data(data: str) -> str:
+    # Workers run in another working directory than the driver: a relative local path found here
+    # would name nothing there. The built-in sources are names, URIs are already absolute.
+    if data in BUILTIN_DATA or "://" in data:
+        return data
+    return os.path.abspath(os.path.expanduser(data))
+
+
+def check_storage(storage_path: str) -> None:
+    """Refuse a storage path the run cannot write to, before any worker starts: a probe file is
+    created and removed where the run will write (for a local path that does not exist yet, in
+    its nearest existing parent: the run creates the rest), so the check leaves nothing behind.
+
+    >>> import tempfile
+    >>> check_storage(tempfile.mkdtemp() + "/runs")
+    """
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    from raydeep.checkpoint.storage import Storage
+
+    try:
+        store = Storage.open(storage_path)
+        directory = store.root
+        # Object stores have no directories to create: a write under the root is the whole test.
+        while store.is_local and store.fs.get_file_info(directory).type == pafs.FileType.NotFound:
+            directory = os.path.dirname(directory)
+        if store.fs.get_file_info(directory).type == pafs.FileType.File:
+            raise NotADirectoryError(f"{directory} is a file, not a directory")
+        probe = f"{directory.rstrip('/')}/.raydeep-write-probe-{uuid.uuid4().hex}"
+        with store.fs.open_output_stream(probe):
+            pass
+        store.fs.delete_file(probe)
+    except (OSError, ValueError, pa.ArrowException) as exc:  # a bad URI, no access, a file in the way
+        shown = storage_path.split("?", 1)[0]  # URI query options may carry credentials
+        raise InputError("--storage-path", f"cannot write there ({exc})", value=shown,
+                         fix="pass a directory you can write to (it is created if missing), or an s3:// / gs:// "
+                         "URI you have write access to") from None
+
+
 @dataclass
 class TrainSpec:
     """One training run (see the module docstring). ``ds_config`` is a dict, path, JSON or base64."""
@@ -81,6 +124,11 @@ class TrainSpec:
     def __post_init__(self):
         self.num_workers = parse_num_workers(self.num_workers)
         self.storage_path = _normalise_storage(self.storage_path)
+        self.data = _normalise_data(self.data)
+        if "://" not in self.storage_path:
+            # Local: cheap, so checked as the spec is made. Probing a remote store needs the
+            # network, which making a spec should not: the driver's plan_run probes those.
+            check_storage(self.storage_path)
         if self.steps < 0 or self.checkpoint_every < 0:
             raise ConfigError("steps", "steps and checkpoint_every must be >= 0", value=(self.steps,
                               self.checkpoint_every), fix="pass non-negative numbers")

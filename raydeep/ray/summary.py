@@ -8,6 +8,8 @@
   failed attempt and the first step of the next one (the kill itself happened in between);
 - ``samples_per_s``: samples this driver advanced the run by, over its wall time (start-up and
   recoveries included);
+- ``attempts[i].skipped_checkpoints``: ``[tag, reason]`` of damaged checkpoints an attempt passed
+  over to resume from an older, intact one;
 - ``memory_rank0``: rank 0's model-state bytes as the engine measures them (``memory_breakdown()``).
 """
 from __future__ import annotations
@@ -24,6 +26,9 @@ def build_summary(spec, result: dict, snapshot: dict, driver_id: str, started: f
     seen = snapshot.get("attempts", [])
     earlier = [a for a in result["attempts"] if a["driver"] != driver_id]
     attempts = [{k: a[k] for k in ATTEMPT_FIELDS} for a in earlier + seen]
+    for record, attempt in zip(attempts, earlier + seen):
+        if attempt.get("skipped_checkpoints"):  # damaged checkpoints this attempt resumed past
+            record["skipped_checkpoints"] = attempt["skipped_checkpoints"]
     first_step = seen[0]["resumed_from_step"] if seen else result["global_steps"]
     advanced = result["global_samples"] - first_step * result["train_batch_size"]
     elapsed = max(ended - started, 1e-9)

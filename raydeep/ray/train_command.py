@@ -3,14 +3,19 @@ from __future__ import annotations
 
 
 def run_train_command(spec, address: str | None = None, verbose: bool = False) -> int:
-    """Train, show progress, print the summary; 0 on success, 1 when the run failed."""
+    """Train, show progress, print the summary; 0 on success, 1 when the run failed after Ray
+    Train's retries. A deterministic failure (a raydeep error: bad config, data or checkpoint)
+    propagates, and the command line turns it into one message and exit status 2."""
     from rich.console import Console
 
     from raydeep.ray.progress import ProgressBar
-    from raydeep.ray.trainer import fit, plan_run
+    from raydeep.ray.trainer import connect, fit, plan_run
 
-    plan = plan_run(spec)  # a config the run cannot use fails here, before the progress bar
+    plan = plan_run(spec)  # a config or input the run cannot use fails here, before Ray starts
     console = Console()
+    joined = connect(spec, address, log_to_driver=verbose)
+    if joined:
+        console.print(f"joined the Ray cluster running at {joined} (pass --address local for a new one)")
     workers = spec.num_workers if isinstance(spec.num_workers, int) else f"{spec.min_workers}-{spec.max_workers}"
     console.print(f"raydeep train: {spec.model} on {spec.data} data, {workers} {'GPU' if spec.use_gpu else 'CPU'} "
                   f"workers, to step {spec.steps}, run {spec.run_uri}")
@@ -20,14 +25,23 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
     except Exception as exc:  # noqa: BLE001 - Ray Train's failure types vary; show the message, not a trace
         from raydeep.errors import RaydeepError
 
-        if isinstance(exc, RaydeepError):
+        if isinstance(exc, RaydeepError) or verbose:
             raise
-        console.print(f"[red]training failed:[/red] {exc}")
+        console.print(f"[red]training failed:[/red] {_first_lines(exc)}")
         console.print(f"re-run with --name {spec.name} --storage-path {spec.storage_path} to resume from the last "
-                      "checkpoint")
+                      "checkpoint; --verbose shows the workers' logs")
         return 1
     print_summary(console, summary)
     return 0
+
+
+def _first_lines(exc: BaseException) -> str:
+    """Each failed worker's error in one line (Ray Train's message carries whole tracebacks)."""
+    failures = getattr(exc, "worker_failures", None)
+    if not failures:
+        return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+    return "; ".join(f"rank {rank}: {type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+                     for rank, err in sorted(failures.items()))
 
 
 def print_summary(console, summary: dict) -> None:

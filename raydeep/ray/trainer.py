@@ -19,13 +19,16 @@ import uuid
 from collections.abc import Sequence
 
 import ray
+from ray.train import TrainingFailedError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks import DatasetsCallback
 
+from raydeep.errors import InputError
 from raydeep.ray.batch_plan import BatchSchedule, plan_batches
+from raydeep.ray.failures import RaydeepFailurePolicy, deterministic_error
 from raydeep.ray.monitor import start_monitor
 from raydeep.ray.progress import MonitorPoller
-from raydeep.ray.spec import TrainSpec
+from raydeep.ray.spec import TrainSpec, check_storage
 from raydeep.ray.summary import build_summary, write_json
 from raydeep.ray.worker import train_loop_per_worker
 from raydeep.ray.workload import check_workload
@@ -46,13 +49,19 @@ CHECKPOINTS_TO_KEEP = 2
 
 
 class RaydeepTorchTrainer(TorchTrainer):
-    """``TorchTrainer``, less the Ray Data plumbing when no Ray Datasets are given.
+    """``TorchTrainer`` that fails at once on a deterministic error (:mod:`raydeep.ray.failures`),
+    less the Ray Data plumbing when no Ray Datasets are given.
 
     Ray Train starts a ``DatasetManager`` actor for every worker group, datasets or not: a fresh
     process that imports Ray Data (pandas, pyarrow compute), about 3 CPU-seconds on every restart,
     taken from the new workers while they start. raydeep's workers read their samples themselves,
     so the callback that starts it is left out (and kept whenever datasets are given).
     """
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        # Ray Train takes its failure policy from here only; raydeep's never retries its own errors.
+        controller_init_kwargs["failure_policy"] = RaydeepFailurePolicy(self.run_config.failure_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
@@ -61,22 +70,67 @@ class RaydeepTorchTrainer(TorchTrainer):
         return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
 
 
-def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = True) -> None:
-    """Join the given cluster (``--address``, or ``RAY_ADDRESS`` as under ``ray job submit``), or
-    start a local one large enough for the run's workers. Call before anything else starts Ray."""
+def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = True) -> str | None:
+    """Connect to Ray as ``ray.init()`` would, sized for the run. Call before anything else starts Ray.
+
+    - ``address`` (``--address``), or ``RAY_ADDRESS`` as under ``ray job submit``: join that cluster;
+    - otherwise a cluster started on this machine with ``ray start`` is joined, as plain
+      ``ray.init()`` joins it (its resources must hold ``spec``'s smallest worker group);
+    - otherwise, or with ``address="local"``, a new local cluster is started for this run alone.
+
+    Returns the address of a running cluster that was joined without being named, else None.
+    """
     for key, value in RAY_TRAIN_TUNING.items():
         os.environ.setdefault(key, value)  # read by the controller, which Ray Train starts in fit()
     if ray.is_initialized():
-        return
-    if address or os.environ.get("RAY_ADDRESS"):
+        return None
+    if address != "local" and (address or os.environ.get("RAY_ADDRESS")):
         ray.init(address=address, log_to_driver=log_to_driver)
-        return
+        return None
+    running = running_local_cluster() if address is None else None
+    if running is not None:
+        _join_running(spec, running, log_to_driver)
+        return running
     # A local cluster exists only for this run: give it at least one logical CPU per worker, so
     # `--num-workers 2` runs on a 1-core laptop too (slowly) instead of waiting for resources.
     cpus = max(os.cpu_count() or 1, math.ceil(spec.max_workers * spec.cpus_per_worker))
     for key, value in LOCAL_CLUSTER_TUNING.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=cpus, log_to_driver=log_to_driver)
+    ray.init(address="local", num_cpus=cpus, log_to_driver=log_to_driver)
+    return None
+
+
+def running_local_cluster() -> str | None:
+    """The address of the cluster the last ``ray start`` on this machine left running, if any:
+    the one plain ``ray.init()`` would join (Ray's own lookup)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        return canonicalize_bootstrap_address(None)
+    except (ValueError, OSError):
+        return None
+
+
+def _join_running(spec: TrainSpec, address: str, log_to_driver: bool) -> None:
+    """Join the cluster ``ray start`` left at ``address``; fail if it cannot hold the run."""
+    try:
+        ray.init(address=address, log_to_driver=log_to_driver)
+    except ConnectionError as err:
+        raise InputError("--address", f"a Ray cluster was started on this machine at {address} but cannot be "
+                         f"reached ({err})", fix="run `ray stop` to clear it, or pass --address local for a new "
+                         "local cluster") from None
+    need = {"CPU": spec.min_workers * spec.cpus_per_worker, "GPU": spec.min_workers * int(spec.use_gpu)}
+    for name, amount in {**spec.resources_per_worker}.items():
+        need[name] = spec.min_workers * amount
+    have = ray.cluster_resources()
+    short = {name: amount for name, amount in need.items() if amount and have.get(name, 0) < amount}
+    if short:
+        ray.shutdown()
+        lacking = ", ".join(f"{amount:g} {name} (it has {have.get(name, 0):g})" for name, amount in short.items())
+        raise InputError("--num-workers", f"the running Ray cluster at {address} cannot hold "
+                         f"{spec.min_workers} worker(s): they need {lacking}", value=spec.num_workers,
+                         fix="pass --address local for a new local cluster of the right size, give the cluster more "
+                         "resources (`ray start --num-cpus N`), or use fewer workers")
 
 
 def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, monitor=None, driver_id: str = "",
@@ -100,6 +154,8 @@ def plan_run(spec: TrainSpec) -> tuple[dict, BatchSchedule]:
     ds_config = spec.resolved_ds_config()
     schedule = plan_batches(ds_config, spec.min_workers, spec.max_workers)
     check_workload(spec.model, spec.data, spec.seed)
+    if "://" in spec.storage_path:
+        check_storage(spec.storage_path)  # local paths were checked when the spec was made
     return ds_config, schedule
 
 
@@ -123,6 +179,11 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     poller.start()
     try:
         result = trainer.fit()
+    except TrainingFailedError as failure:
+        error = deterministic_error(failure)
+        if error is None:
+            raise
+        raise error from None  # its own message says what to fix; the worker traceback adds nothing
     finally:
         snapshot = poller.stop()
         ray.kill(monitor)

@@ -9,12 +9,14 @@ attempt. The session adds raydeep's part:
   ranks report that directory to Ray Train (``CheckpointUploadMode.NO_UPLOAD``: it is already in
   the run's storage, so nothing is copied). Ray Train then keeps its history, deletes the oldest
   beyond ``num_to_keep``, and gives it back after a worker failure, a resize or a driver restart;
-- the restore reads it (or raydeep's ``latest``, when that is newer) with ``engine.load_checkpoint``,
-  which reshards when the world size changed;
+- the restore reads the newest committed checkpoint (Ray Train's, or a newer one raydeep's
+  ``latest`` names), resharding when the world size changed; a damaged one (a file failing its
+  sha256) is passed over for the newest intact one, with a warning the driver shows;
 - step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import socket
@@ -25,9 +27,13 @@ import ray
 import ray.train
 import torch
 
-from raydeep.checkpoint import Storage
+from raydeep.checkpoint import Storage, committed_tags
+from raydeep.checkpoint.format import LATEST
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
+from raydeep.errors import CheckpointError
 from raydeep.ray.loop import run_training
+
+logger = logging.getLogger("raydeep")
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -40,11 +46,32 @@ def train_loop_per_worker(config: dict) -> dict:
     return run_training(spec, config["ds_config"], config["schedule"], session)
 
 
-def newest_tag(storage: Storage, reported: str | None) -> str | None:
-    """Of ``reported`` (Ray Train's checkpoint) and the tag ``latest`` names, the one further on."""
-    tags = {tag for tag in (reported, resolve_tag(storage, None)) if tag}
-    steps = {tag: CheckpointReader.open(storage, tag).manifest["counters"]["global_steps"] for tag in tags}
-    return max(tags, key=steps.get) if tags else None
+def resume_candidates(storage: Storage, reported: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+    """The tags a new attempt may resume from, newest first, and the ones already known damaged.
+
+    Every committed tag counts, ordered by its step, so the newest whole checkpoint wins whether
+    Ray Train's report (``reported``) or raydeep's ``latest`` names it: they differ when a worker
+    died after a save committed but before Ray Train's controller took in its report. A tag one
+    of them names whose manifest cannot be read is damage to report, not a tag to pass over
+    silently: it comes back in the second list with the reason.
+    """
+    damaged: list[tuple[str, str]] = []
+    named = [reported] if reported else []
+    try:
+        latest = resolve_tag(storage, None)
+    except CheckpointError as err:
+        damaged.append((LATEST, str(err)))
+    else:
+        named += [latest] if latest else []
+    tags = [tag for _, tag in reversed(committed_tags(storage))]
+    for tag in dict.fromkeys(named):
+        if tag not in tags:
+            try:
+                CheckpointReader.open(storage, tag)
+                tags.insert(0, tag)  # readable after all (written between the two looks)
+            except CheckpointError as err:
+                damaged.append((tag, str(err)))
+    return tags, damaged
 
 
 class RaySession:
@@ -60,6 +87,7 @@ class RaySession:
         self.filesystem = storage.storage_filesystem
         self.checkpoint_fs_path = posixpath.join(storage.experiment_fs_path, "checkpoints")
         self.monitor, self.driver_id, self.entered_at = monitor, driver_id, entered_at
+        self.skipped: list[tuple[str, str]] = []  # damaged checkpoints the restore passed over
         # One id per attempt, agreed by all ranks, so the monitor can group this attempt's reports.
         self.token = broadcast_from_rank_zero(uuid.uuid4().hex)
         if monitor is not None:
@@ -68,23 +96,17 @@ class RaySession:
                 "local_rank": context.get_local_rank(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
 
     def restore(self, engine) -> dict | None:
-        tag = self._resume_tag()
-        if tag is None:
-            return None
-        path, client_state = engine.load_checkpoint(self.checkpoint_uri, tag=tag)
-        if path is None:
-            raise RuntimeError(f"no raydeep checkpoint {tag!r} under {self.checkpoint_uri} to resume from")
-        return client_state
-
-    def _resume_tag(self) -> str | None:
-        """The newer of the checkpoint Ray Train hands this attempt and the one raydeep's
-        ``latest`` names. They differ when a worker died after a save committed but before Ray
-        Train's controller took in its report (the controller collects reports when it polls the
-        workers), or before the report was made: that checkpoint is whole all the same (``latest``
-        moves only once every rank's files are in), and resuming from it loses no steps."""
+        """Load the newest intact checkpoint (see :func:`resume_candidates`); a damaged newer one
+        is skipped with a warning, and ``self.skipped`` says which and why."""
         checkpoint = ray.train.get_checkpoint()
         reported = posixpath.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
-        return newest_tag(Storage.open(self.checkpoint_uri), reported)
+        tags, damaged = resume_candidates(Storage.open(self.checkpoint_uri), reported)
+        if not tags and not damaged:
+            return None
+        tag, client_state, self.skipped = engine.checkpointer.load_first_intact(self.checkpoint_uri, tags, damaged)
+        if self.skipped and self.rank == 0:
+            logger.warning("resumed from %s instead of the damaged %s", tag, ", ".join(t for t, _ in self.skipped))
+        return client_state
 
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         from ray.train import Checkpoint, CheckpointUploadMode

@@ -68,3 +68,30 @@ def test_submitted_job_trains_and_a_resubmission_continues(head, tmp_path):
     assert [(a["world_size"], a["resumed_from_step"]) for a in summary["attempts"]] == [(1, 0), (2, 4)]
     order = SampleOrder(len(builtin_dataset(128)), seed=0)
     assert summary["samples_sha256"] == expected_digest(order, 6, BATCH)  # every sample once, across jobs
+
+
+def train_here(head, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``raydeep train`` with no --address on the machine where ``ray start --head`` runs."""
+    _, env = head
+    env = {key: value for key, value in env.items() if key != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "raydeep", "train", "--storage-path", str(tmp_path), "--checkpoint-every", "2", *args]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_train_without_address_joins_the_cluster_ray_start_left(head, tmp_path):
+    """As plain ``ray.init()`` does: the cluster ``ray start`` left running is joined, not fought
+    ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")."""
+    from ray.job_submission import JobSubmissionClient, JobType
+
+    client = JobSubmissionClient(head[0])
+    drivers_before = sum(job.type == JobType.DRIVER for job in client.list_jobs())
+    proc = train_here(head, tmp_path, "--num-workers", "1", "--steps", "2", "--name", "joined")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "joined the Ray cluster running at" in proc.stdout and "done: step 2" in proc.stdout
+    assert sum(job.type == JobType.DRIVER for job in client.list_jobs()) == drivers_before + 1  # it ran there
+
+    # A run the cluster cannot hold is refused at once, not left waiting for resources.
+    proc = train_here(head, tmp_path, "--num-workers", "4", "--steps", "2", "--name", "too-big")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cannot hold 4 worker(s)" in proc.stderr and "--address local" in proc.stderr
+    assert "Traceback" not in proc.stderr

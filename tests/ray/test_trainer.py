@@ -151,21 +151,69 @@ def test_sigkill_of_a_worker_resumes_bitwise(uninterrupted, storage):
           f"after the kill (resumed at step {recovery['resumed_from_step']})")
 
 
-def test_driver_restart_continues_the_run(uninterrupted, storage, cluster):
-    """A new driver process (the CLI) with the same (storage_path, name) continues the finished
-    16-step run to step 20 instead of starting over (the in-memory 16-step summary stays the
-    reference for the next test)."""
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the tensor data: the file still parses, its sha256 does not match
+    path.write_bytes(bytes(data))
+
+
+def _train_command(cluster, storage, steps: int) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "raydeep", "train", "--address", cluster[0].address, "--storage-path", str(storage),
-               "--name", "uninterrupted", "--steps", str(STEPS + EVERY), "--checkpoint-every", str(EVERY),
+               "--name", "uninterrupted", "--steps", str(steps), "--checkpoint-every", str(EVERY),
                "--num-workers", "2", *[arg for item in SCHEDULE for arg in ("--set", item)]]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "COLUMNS": "400"}  # rich wraps at 80 columns without a terminal: keep lines whole
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_driver_restart_continues_the_run_past_a_corrupt_checkpoint(uninterrupted, storage, cluster):
+    """A new driver process (the CLI) with the same (storage_path, name) continues the finished
+    16-step run to step 20 instead of starting over. Its newest checkpoint (step 16) has a bit
+    flipped in one rank's file: the run warns, naming the file, resumes from step 12, and trains
+    every sample exactly once (the ledger is the step-12 checkpoint's). The in-memory 16-step
+    summary stays the reference for the next tests."""
+    checkpoints = storage / "uninterrupted" / "checkpoints"
+    damaged = sorted((checkpoints / f"global_step{STEPS}").glob("rank*.safetensors"))[-1]
+    _flip_a_byte(damaged)
+    proc = _train_command(cluster, storage, STEPS + EVERY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"done: step {STEPS + EVERY}" in proc.stdout and f"from step {STEPS}" in proc.stdout
+    print(f"\n{proc.stdout}")
+    assert f"checkpoint global_step{STEPS} is damaged" in proc.stdout and damaged.name in proc.stdout
+    assert f"done: step {STEPS + EVERY}" in proc.stdout and f"from step {STEPS - EVERY}" in proc.stdout
     summary = json.loads((storage / "uninterrupted" / "summary.json").read_text())
-    assert summary["world_sizes"] == [2, 2] and summary["attempts"][1]["resumed_from_step"] == STEPS
+    assert summary["world_sizes"] == [2, 2] and summary["attempts"][1]["resumed_from_step"] == STEPS - EVERY
+    assert summary["attempts"][1]["skipped_checkpoints"][0][0] == f"global_step{STEPS}"
     assert summary["global_samples"] == (STEPS + EVERY) * BATCH
     assert summary["samples_sha256"] == expected_samples_sha256(STEPS + EVERY)
-    assert summary["param_sha256"] != uninterrupted["param_sha256"]  # it trained the 4 new steps
+    assert summary["param_sha256"] != uninterrupted["param_sha256"]  # it trained the new steps
+    # The re-trained step 16 was saved beside the damaged one, never into its directory (which
+    # Ray Train still tracks and deletes when it rotates it out).
+    assert (checkpoints / f"global_step{STEPS}-attempt2" / "manifest.json").is_file()
+
+
+def test_no_intact_checkpoint_fails_once_with_one_message(storage, cluster):
+    """Every committed checkpoint damaged: exit 2 at the first attempt (no Ray Train retries), one
+    message naming each damaged file, no traceback, no advice to re-run the same command."""
+    checkpoints = storage / "uninterrupted" / "checkpoints"
+    tags = sorted(p for p in checkpoints.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for tag in tags:
+        _flip_a_byte(sorted(tag.glob("rank*.safetensors"))[0])
+    workers_before = _train_workers_ever_started()
+    started = time.time()
+    proc = _train_command(cluster, storage, STEPS + 2 * EVERY)
+    print(f"\nexit {proc.returncode} after {time.time() - started:.1f} s:\n{proc.stderr.strip()}")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no intact checkpoint" in errors[0]
+    assert all(tag.name in proc.stderr for tag in tags)
+    assert "Traceback" not in proc.stdout + proc.stderr and "re-run with" not in proc.stdout + proc.stderr
+    assert _train_workers_ever_started() - workers_before == 2  # one worker group: Ray Train did not retry
+
+
+def _train_workers_ever_started() -> int:
+    """Ray Train worker actors this cluster has created, dead or alive (the GCS keeps them all)."""
+    from ray._private.state import actors
+
+    return sum(actor["ActorClassName"] == "RayTrainWorker" for actor in actors().values())
 
 
 class RemoveNodeOfRankOne:

@@ -118,6 +118,30 @@ def test_a_zero_divisor_fails_deepspeeds_check_instead_of_dividing(data, world, 
     assert key == "train_batch_size" or f"Fix: set {key} to a positive integer" in str(err)
 
 
+# Every batch-triangle error names a key the user wrote; a value raydeep derived is called derived.
+@pytest.mark.parametrize("data, world, key, text", [
+    ({"train_micro_batch_size_per_gpu": 0, "gradient_accumulation_steps": 1}, 1, "train_micro_batch_size_per_gpu",
+     "Micro batch size per gpu: 0 has to be greater than 0"),
+    ({"train_micro_batch_size_per_gpu": 0}, 4, "train_micro_batch_size_per_gpu", "Micro batch size per gpu: 0"),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": -1}, 1, "gradient_accumulation_steps",
+     "Gradient accumulation steps: -1 has to be greater than 0"),
+    ({"train_batch_size": 4}, 8, "train_batch_size", "train_micro_batch_size_per_gpu is derived as "
+     "train_batch_size // world_size // gradient_accumulation_steps = 4 // 8 // 1"),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 16}, 1, "train_batch_size",
+     "train_micro_batch_size_per_gpu is derived as"),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 16}, 1, "train_batch_size",
+     "gradient_accumulation_steps is derived as train_batch_size // train_micro_batch_size_per_gpu // world_size"),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": -2}, 1, "gradient_accumulation_steps",
+     "Gradient accumulation steps: -2"),
+    ({"train_batch_size": -8, "train_micro_batch_size_per_gpu": 2}, 1, "train_batch_size", "Train batch size: -8"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, 1, "train_batch_size", "10 != 3 * 3 * 1"),
+])
+def test_batch_errors_name_a_key_the_user_wrote(data, world, key, text):
+    err = error_of(data, world_size=world)
+    assert err.key == key and text in str(err), str(err)
+    assert key in data
+
+
 @pytest.mark.parametrize("value", [True, False, "8", 8.5, [8]])
 @pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
 def test_batch_keys_are_strict_integers(key, value):
@@ -240,22 +264,49 @@ def test_harmless_unimplemented_keys_warn():
     ({"stage": 3, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
     ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_optimization.zero_hpz_partition_size"),
     ({"stage": 3, "mics_shard_size": 8}, "zero_optimization.mics_shard_size"),
-    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}, "zero_optimization.offload_param.device"),
+    ({"stage": 3, "mics_shard_size": -1}, "zero_optimization.mics_shard_size"),  # 0.19.8 removed the key
 ])
-def test_zeropp_mics_nvme_not_supported(zero, key):
+def test_zeropp_and_mics_not_supported(zero, key):
     err = error_of({**BASE, "zero_optimization": zero})
     assert err.key == key and "not supported by raydeep" in str(err)
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_is_refused_at_load_naming_the_key_and_what_to_use(section, device, stage):
+    err = error_of({**BASE, "zero_optimization": {"stage": stage, section: {"device": device, "pin_memory": True}}})
+    assert err.key == f"zero_optimization.{section}.device" and err.value == device
+    assert "not implemented in raydeep" in str(err) and "NVMe offload is not supported" in str(err)
+    assert "ZeRO stage 3 shards" in err.fix and "raydeep estimate" in err.fix
+
+
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_offload_device_none_or_absent_is_fine(section):
+    cfg = load({"zero_optimization": {"stage": 3, section: {"device": "none", "pin_memory": True}}})
+    assert getattr(cfg.zero_optimization, section).device == "none"
+    assert not [w for w in cfg.warnings if "offload" in w]
+
+
+def test_offload_ratio_keeps_deepspeeds_stage_3_rule():
+    err = error_of({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "ratio": 0.5}}})
+    assert err.key == "zero_optimization.offload_optimizer.ratio" and "Partial offloading only supported" in str(err)
 
 
 # --- deprecated spellings and aliases ----------------------------------------------------------
 
 def test_stage3_aliases_and_deprecated_keys():
     cfg = load({"zero_optimization": {"stage": 3, "max_live_parameters": 7, "stage3_gather_fp16_weights_on_model_save": True,
-                                      "cpu_offload": True}})
+                                      "cpu_offload": False}})
     zero = cfg.zero_optimization
     assert zero.max_live_parameters == 7 and zero.gather_16bit_weights_on_model_save
-    assert zero.offload_optimizer.device == "cpu"
+    assert zero.offload_optimizer is None  # cpu_offload: false means no offload section
     assert any("deprecated" in w for w in cfg.warnings)
+
+
+def test_deprecated_cpu_offload_is_refused_under_its_own_name():
+    err = error_of({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+    assert err.key == "zero_optimization.cpu_offload" and "CPU offload is not built yet" in str(err)
 
 
 def test_both_alias_spellings_is_an_error():
@@ -306,17 +357,16 @@ ADAM = {"type": "AdamW", "params": {"lr": 1e-3}}
     ({"activation_checkpointing": {"contiguous_memory_optimization": True, "partition_activations": True}},
      "activation_checkpointing.number_checkpoints", "Must specify the number of layers"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}, "fp16": {"enabled": True},
-      "zero_optimization": {"stage": 1}}, "optimizer.type", "incompatible with ZeRO"),
+      "zero_optimization": {"stage": 1}}, "optimizer.type", "needs compressed communication"),
     ({"optimizer": ADAM, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
      "scheduler.params.total_num_steps", "required"),
     ({"optimizer": ADAM, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}},
      "scheduler.params.cycle_min_lr", "required"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}}, "optimizer.params.lr", "positive"),
-    ({"train_micro_batch_size_per_gpu": -2}, "train_batch_size", "Train batch size: -2 has to be greater than 0"),
+    ({"train_micro_batch_size_per_gpu": -2}, "train_micro_batch_size_per_gpu",
+     "Micro batch size per gpu: -2 has to be greater than 0"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
      "zero_optimization.offload_optimizer.device", "NVMe"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-     "zero_optimization.offload_optimizer.ratio", "Partial offloading only supported for ZeRO Stage 3"),
     ({"optimizer": {"type": "adamw2", "params": {}}}, "optimizer.type", "not a supported DeepSpeed Optimizer"),
     ({"optimizer": {"type": "sgd", "params": {"lr": 0.1}}}, "optimizer.type", "not a supported DeepSpeed Optimizer"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}, "optimizer", "gradient_clipping"),
@@ -344,6 +394,14 @@ def test_several_problems_are_reported_together():
     assert len(info.value.errors) == 2
 
 
+@pytest.mark.parametrize("name, instead", [("OneBitAdam", "Adam"), ("ZeroOneAdam", "Adam"), ("OneBitLamb", "Lamb")])
+def test_compressed_communication_optimizers_are_refused_at_load(name, instead):
+    err = error_of({**BASE, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0},
+                    "optimizer": {"type": name, "params": {"lr": 1e-3, "freeze_step": 100}}})
+    assert err.key == "optimizer.type" and err.value == name
+    assert "compressed communication" in str(err) and f'use "{instead}"' in err.fix
+
+
 def test_adam_means_adamw_unless_adam_w_mode_false():
     from raydeep.optim.optimizers import resolve_optimizer
     import torch
@@ -360,11 +418,12 @@ def test_field_report_advice_for_long_accumulation_without_clipping():
 
 
 def test_harmless_no_ops_warn():
-    cfg = load({"zero_optimization": {"stage": 1, "round_robin_gradients": True, "offload_param": {"device": "cpu"}},
+    cfg = load({"zero_optimization": {"stage": 1, "round_robin_gradients": True, "contiguous_gradients": False},
                 "activation_checkpointing": {"partition_activations": True}})
     text = "\n".join(cfg.warnings)
-    assert "round_robin_gradients" in text and "offload_param has no effect below stage 3" in text
-    assert "partition_activations has no effect" in text
+    assert "zero_optimization.round_robin_gradients = True has no effect" in text
+    assert "zero_optimization.contiguous_gradients = False has no effect" in text
+    assert "activation_checkpointing.partition_activations = True has no effect" in text
 
 
 # --- elasticity (kept from DeepSpeed releases that had it) ------------------------------------

@@ -3,6 +3,10 @@
 ``CORPUS`` is the table: one entry per file, with the world size, the overrides (the values the
 Hugging Face integration would fill in for ``"auto"``) and the resolved values to check. A file
 added to ``jobs/configs/`` without an entry here fails ``test_every_corpus_file_has_an_entry``.
+
+Files that use a feature raydeep refuses (CPU optimizer/parameter offload, 1-bit Adam) stay as users
+have them: without ``fixes`` they must be refused naming that key, and with ``fixes`` (the change the
+refusal's fix asks for) they load.
 """
 from __future__ import annotations
 
@@ -45,6 +49,16 @@ class Entry:
     optimizer: str | None = None
     scheduler: str | None = None
     extra: dict = field(default_factory=dict)  # dotted attribute path -> expected value
+    refused: str | None = None  # the key a refusal names when the file is loaded as it is
+    fixes: tuple[str, ...] = ()  # overrides that replace the refused setting
+
+    @property
+    def overrides(self) -> list[str]:
+        return [*self.sets, *self.fixes]
+
+
+NO_OPTIMIZER_OFFLOAD = ('zero_optimization.offload_optimizer.device="none"',)
+NO_PARAM_OFFLOAD = ('zero_optimization.offload_param.device="none"',)
 
 
 CORPUS: dict[str, Entry] = {
@@ -55,8 +69,9 @@ CORPUS: dict[str, Entry] = {
         # reduce_bucket_size stays "auto": DeepSpeed drops it to the 5e8 default.
         extra={"zero_optimization.reduce_bucket_size": 500_000_000,
                "zero_optimization.allgather_bucket_size": 200_000_000,
-               "zero_optimization.offload_optimizer.device": "cpu",
-               "optimizer.params.betas": [0.9, 0.999]}),
+               "zero_optimization.offload_optimizer.device": "none",
+               "optimizer.params.betas": [0.9, 0.999]},
+        refused="zero_optimization.offload_optimizer.device", fixes=NO_OPTIMIZER_OFFLOAD),
     "ds_config_zero3.json": Entry(
         16, ("train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=4", "bf16.enabled=true",
              "fp16.enabled=false", *HF_OPTIMIZER, "scheduler.params.total_num_steps=10000",
@@ -68,32 +83,38 @@ CORPUS: dict[str, Entry] = {
                "zero_optimization.param_persistence_threshold": 40_960,
                "zero_optimization.max_live_parameters": 1_000_000_000,
                "zero_optimization.gather_16bit_weights_on_model_save": True,
-               "zero_optimization.offload_param.device": "cpu",
-               "scheduler.params.total_num_steps": 10_000}),
+               "zero_optimization.offload_param.device": "none",
+               "scheduler.params.total_num_steps": 10_000},
+        refused="zero_optimization.offload_param.device, zero_optimization.offload_optimizer.device",
+        fixes=NO_OPTIMIZER_OFFLOAD + NO_PARAM_OFFLOAD),
     "megatron_gpt_bf16_zero1.json": Entry(
         32, batch=(512, 4, 4), stage=1, precision="bf16",
         extra={"grad_accum_dtype": "fp32", "steps_per_print": 10, "wall_clock_breakdown": False}),
+    # 1-bit Adam and 0/1 Adam need compressed communication: refused; Adam is the uncompressed update.
     "bert_onebit_adam.json": Entry(
-        64, batch=(4096, 16, 4), stage=0, precision="fp16", optimizer="OneBitAdam",
-        extra={"optimizer.params.freeze_step": 23000, "optimizer.params.cuda_aware": False,
-               "optimizer.params.comm_backend_name": "nccl", "fp16.loss_scale_window": 1000}),
+        64, batch=(4096, 16, 4), stage=0, precision="fp16", optimizer="Adam",
+        extra={"optimizer.params.lr": 4e-4, "fp16.loss_scale_window": 1000},
+        refused="optimizer.type", fixes=('optimizer={"type": "Adam", "params": {"lr": 4e-4, "weight_decay": 0.01}}',)),
     "bert_zero_one_adam.json": Entry(
-        32, batch=(4096, 16, 8), stage=0, precision="fp16", optimizer="ZeroOneAdam", scheduler="WarmupLR",
-        extra={"optimizer.params.var_freeze_step": 23000, "optimizer.params.local_step_clipper": 16}),
+        32, batch=(4096, 16, 8), stage=0, precision="fp16", optimizer="Adam", scheduler="WarmupLR",
+        extra={"optimizer.params.lr": 1e-3},
+        refused="optimizer.type", fixes=('optimizer={"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}',)),
     "seed_175b_zero3_offload.json": Entry(
         1, batch=(1024, 8, 128), stage=3, precision="fp32", optimizer="AdamW", scheduler="WarmupLR",
-        extra={"zero_optimization.offload_optimizer.device": "cpu",
+        extra={"zero_optimization.offload_optimizer.device": "none",
                "zero_optimization.allgather_bucket_size": 500_000_000,
                "zero_optimization.overlap_comm": True,
                "activation_checkpointing.partition_activations": True,
                "activation_checkpointing.contiguous_memory_optimization": True,
                "activation_checkpointing.number_checkpoints": 12,
-               "gradient_clipping": 1.0}),
+               "gradient_clipping": 1.0},
+        refused="zero_optimization.offload_optimizer.device", fixes=NO_OPTIMIZER_OFFLOAD),
     "zero2_offload_fp16.json": Entry(
         16, batch=(16, 1, 1), stage=2, precision="fp16", optimizer="Adam",
-        extra={"zero_optimization.offload_optimizer.device": "cpu",
+        extra={"zero_optimization.offload_optimizer.device": "none",
                "zero_optimization.reduce_bucket_size": 50_000_000,
-               "wall_clock_breakdown": True, "fp16.hysteresis": 2}),
+               "wall_clock_breakdown": True, "fp16.hysteresis": 2},
+        refused="zero_optimization.offload_optimizer.device", fixes=NO_OPTIMIZER_OFFLOAD),
     "chat_zero3_prefetch.json": Entry(
         8, batch=(256, 8, 4), stage=3, precision="fp16", optimizer="AdamW",
         extra={"zero_optimization.prefetch_bucket_size": 30_000_000,
@@ -141,7 +162,7 @@ def corpus_files() -> list[str]:
 
 def load_entry(name: str) -> RaydeepConfig:
     entry = CORPUS[name]
-    return load_config(CONFIG_DIR / name, world_size=entry.world_size, overrides=list(entry.sets))
+    return load_config(CONFIG_DIR / name, world_size=entry.world_size, overrides=entry.overrides)
 
 
 def _get(obj, dotted: str):
@@ -177,6 +198,17 @@ def test_corpus_config_loads(name):
     assert (cfg.scheduler.type if cfg.scheduler else None) == entry.scheduler
     for dotted, expected in entry.extra.items():
         assert _get(cfg, dotted) == expected, dotted
+
+
+@pytest.mark.parametrize("name", [n for n, e in CORPUS.items() if e.refused])
+def test_files_using_a_refused_feature_are_refused_naming_the_key(name):
+    """As users have them (with only the "auto" values filled in), these files fail at load, naming
+    every refused key, instead of loading and then ignoring the setting."""
+    entry = CORPUS[name]
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG_DIR / name, world_size=entry.world_size, overrides=list(entry.sets))
+    assert info.value.key == entry.refused
+    assert "Fix:" in str(info.value)
 
 
 # Fields whose own default is the string "auto" (not a Hugging Face placeholder).
@@ -219,7 +251,7 @@ def cli_runs() -> dict[str, tuple[int, str, str]]:
         entry = CORPUS[name]
         cmd = [sys.executable, "-m", "raydeep", "config", "check", str(CONFIG_DIR / name),
                "--world-size", str(entry.world_size), "--json"]
-        for item in entry.sets:
+        for item in entry.overrides:
             cmd += ["--set", item]
         procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     results = {}

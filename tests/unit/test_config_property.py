@@ -1,6 +1,6 @@
 """Property: a mutated corpus config either loads or fails with a ConfigError naming a key.
 
-Each example starts from a ``jobs/configs/`` file resolved with its overrides (the table in
+Each example starts from a ``jobs/configs/`` file resolved with its overrides and fixes (the table in
 ``test_config_corpus.py``), applies one to three random mutations (delete a key, add a misspelled
 key at any depth, change a value's type, set a known key to a random value, put "auto" somewhere)
 and loads the result. Anything but a ``RaydeepConfig`` or a ``ConfigError`` whose ``.key`` is a
@@ -33,9 +33,10 @@ PROPERTY_SETTINGS = settings(max_examples=1500, deadline=None, derandomize=True,
 CLI_SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
-# Each corpus file read and resolved with its overrides once: the starting points.
+# Each corpus file read and resolved with its overrides (and the fixes of refused settings) once:
+# the starting points.
 BASES: dict[str, dict] = {
-    name: apply_overrides(read_config(str(CONFIG_DIR / name)), list(entry.sets)) for name, entry in CORPUS.items()
+    name: apply_overrides(read_config(str(CONFIG_DIR / name)), entry.overrides) for name, entry in CORPUS.items()
 }
 
 

@@ -16,8 +16,10 @@ from raydeep.optim.optimizers import (
     OptimizerSpec,
     build_optimizer,
     needs_untested_flag,
+    resolve_compressed_optimizer,
     resolve_optimizer,
 )
+from raydeep.errors import ConfigError
 
 
 # --------------------------------------------------------------------------- name resolution
@@ -143,9 +145,23 @@ def test_cpu_optimizer_keys_are_stripped_for_lion_and_adagrad():
 
 
 # --------------------------------------------------------------------------- 1-bit family
+@pytest.mark.parametrize("type_name, instead", [("OneBitAdam", "Adam"), ("ZeroOneAdam", "Adam"),
+                                               ("OneBitLamb", "Lamb"), ("onebitadam", "Adam")])
+def test_onebit_family_is_refused_naming_the_type_and_what_to_use(type_name, instead):
+    """Compressed communication is not built yet: the config is refused when it is resolved (at load),
+    never later in initialize."""
+    with pytest.raises(ConfigError) as info:
+        resolve_optimizer(type_name, {"lr": 2e-4, "freeze_step": 10})
+    err = info.value
+    assert err.key == "optimizer.type" and err.value == type_name
+    assert "compressed communication" in err.message
+    assert f'use "{instead}"' in err.fix and "ZeRO" in err.fix
+    resolve_optimizer(instead, {"lr": 2e-4})  # what the fix names resolves
+
+
 @pytest.mark.parametrize("type_name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "onebitadam"])
-def test_onebit_family_resolves_to_spec_with_defaults(type_name):
-    spec = resolve_optimizer(type_name, {"lr": 2e-4})
+def test_onebit_family_params_still_resolve_for_the_compressed_runtime(type_name):
+    spec = resolve_compressed_optimizer(type_name, {"lr": 2e-4})
     assert spec.cls is None and spec.name == type_name.lower() and spec.adamw_mode is None
     assert spec.kwargs["lr"] == 2e-4
     assert spec.kwargs["comm_backend_name"] == "nccl" and spec.kwargs["amsgrad"] is False
@@ -176,7 +192,12 @@ def test_onebit_defaults_match_documentation():
 )
 def test_onebit_validation(type_name, params, match):
     with pytest.raises(ValueError, match=match):
-        resolve_optimizer(type_name, params)
+        resolve_compressed_optimizer(type_name, params)
+
+
+def test_compressed_resolution_refuses_other_names():
+    with pytest.raises(ConfigError, match="not a compressed-communication optimizer"):
+        resolve_compressed_optimizer("Adam", {})
 
 
 # --------------------------------------------------------------------------- ZeRO untested rule

@@ -1,12 +1,16 @@
 """Parquet token datasets: the builder, the reader, and their agreement with the byte corpus."""
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raydeep.data import ByteTokenDataset, ParquetTokenDataset, build_byte_dataset, builtin_dataset, write_token_parquet
+from raydeep.data import (ByteTokenDataset, ParquetTokenDataset, TokenDatasetError, build_byte_dataset, builtin_dataset,
+                          describe_token_dataset, write_token_parquet)
 from raydeep.data.parquet import TOKEN_COLUMN
 
 
@@ -71,11 +75,46 @@ def test_bad_samples_are_refused(tmp_path, rows, vocab, message):
         write_token_parquet(rows, str(tmp_path / "x.parquet"), vocab_size=vocab)
 
 
-def test_mixed_sample_lengths_are_refused(tmp_path):
+@pytest.mark.parametrize("read", [ParquetTokenDataset, describe_token_dataset], ids=["reader", "describe"])
+def test_mixed_sample_lengths_are_refused(tmp_path, read):
     write_token_parquet(np.zeros((2, 3)), str(tmp_path / "d" / "a.parquet"), vocab_size=10)
     write_token_parquet(np.zeros((2, 4)), str(tmp_path / "d" / "b.parquet"), vocab_size=10)
-    with pytest.raises(ValueError, match="tokens"):
-        ParquetTokenDataset(str(tmp_path / "d"))
+    with pytest.raises(TokenDatasetError, match="tokens") as info:
+        read(str(tmp_path / "d"))
+    assert info.value.file.endswith("b.parquet")
+
+
+def test_describe_reads_footers_only(tmp_path):
+    rows = np.arange(40, dtype=np.int64).reshape(10, 4)
+    write_token_parquet(rows[:6], str(tmp_path / "d" / "part-0.parquet"), vocab_size=100)
+    write_token_parquet(rows[6:] + 50, str(tmp_path / "d" / "part-1.parquet"), vocab_size=100)
+    info = describe_token_dataset(str(tmp_path / "d"))
+    assert (info.num_samples, info.block_size, info.vocab_size) == (10, 3, 100)
+    assert (info.min_token, info.max_token, info.exact) == (0, 89, True)  # from row-group statistics
+    assert [name.rsplit("/", 1)[1] for name in info.files] == ["part-0.parquet", "part-1.parquet"]
+
+
+def test_describe_without_statistics_reads_a_bounded_sample(tmp_path):
+    rows = np.arange(60, dtype=np.int32).reshape(12, 5)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), 5)
+    pq.write_table(pa.table({"tokens": column}), tmp_path / "plain.parquet", write_statistics=False)
+    info = describe_token_dataset(str(tmp_path / "plain.parquet"), sample_rows=3)
+    assert (info.num_samples, info.block_size, info.vocab_size, info.exact) == (12, 4, None, False)
+    assert (info.min_token, info.max_token) == (0, 14)  # the first three rows only
+    assert ParquetTokenDataset(str(tmp_path / "plain.parquet")).token_range() == (0, 59)
+
+
+@pytest.mark.parametrize("read", [ParquetTokenDataset, describe_token_dataset], ids=["reader", "describe"])
+def test_files_that_are_no_token_dataset_name_the_file(tmp_path, read):
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1" + bytes(100))
+    with pytest.raises(TokenDatasetError, match="not a readable Parquet file") as info:
+        read(str(tmp_path / "junk.parquet"))
+    assert info.value.file == str(tmp_path / "junk.parquet") and "raydeep data build" in info.value.fix
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.file, again.problem, again.fix) == (info.value.file, info.value.problem, info.value.fix)
+    pq.write_table(pa.table({"tokens": pa.array(["text"])}), tmp_path / "text.parquet")
+    with pytest.raises(TokenDatasetError, match="fixed-size lists of integer token ids"):
+        read(str(tmp_path / "text.parquet"))
 
 
 def test_missing_dataset_names_the_path(tmp_path):
