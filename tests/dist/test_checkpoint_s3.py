@@ -13,12 +13,12 @@ import torch
 from raydeep.checkpoint import CheckpointReader
 from tests.dist.harness import free_port, run_ranks
 
-pytestmark = pytest.mark.slow
-moto_server = pytest.importorskip("moto.server")
+pytestmark = [pytest.mark.slow, pytest.mark.peers]  # the S3 server is moto's: a peer package
 
 
 @pytest.fixture(scope="module")
 def bucket_uri():
+    moto_server = pytest.importorskip("moto.server")
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

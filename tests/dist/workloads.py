@@ -73,25 +73,54 @@ def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip
     return losses
 
 
-def train_reference(steps: int, global_batch: int, clip: float) -> dict:
-    """Plain single-process PyTorch with the same global batch: the oracle."""
+def train_reference(steps: int, global_batch: int, clip: float, dtype: torch.dtype = torch.float32,
+                    micro: int | None = None, trace: bool = False) -> dict:
+    """Plain single-process PyTorch with the same global batch: the oracle.
+
+    ``dtype`` float64 gives the exact-arithmetic stand-in the parity test measures against.
+    ``micro`` accumulates the gradient over micro-batches of that size, one after another (the
+    summation order of gradient accumulation), instead of one backward over the whole batch.
+    Returns per-step losses and pre-clip gradient norms and the final parameters; with ``trace``,
+    also per step the gradients Adam received (after clipping), Adam's denominators
+    ``sqrt(v_hat) + eps`` and the parameters after the step.
+    """
     torch.set_num_threads(1)
-    model = tiny_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-    losses = []
+    model = tiny_gpt().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=dtype == torch.float32)
+    losses, norms, grads, denoms, trajectory = [], [], [], [], []
     for batch in global_batches(steps, global_batch):
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        if clip > 0:  # DeepSpeed's formula: float64 global norm, grads divided by (norm + 1e-6) / clip
-            norm = sum(p.grad.double().pow(2).sum() for p in model.parameters()).sqrt().item()
-            combined = (norm + 1e-6) / clip
-            if combined > 1:
-                for p in model.parameters():
-                    p.grad.mul_(1.0 / combined)
+        pieces = batch.split(micro) if micro else [batch]
+        loss = 0.0
+        for piece in pieces:
+            piece_loss = model(piece[:, :-1], piece[:, 1:])
+            (piece_loss / len(pieces) if len(pieces) > 1 else piece_loss).backward()
+            loss += piece_loss.item() / len(pieces)
+        # DeepSpeed's formula: float64 global norm, grads divided by (norm + 1e-6) / clip
+        norm = sum(p.grad.double().pow(2).sum() for p in model.parameters()).sqrt().item()
+        combined = (norm + 1e-6) / clip if clip > 0 else 1.0
+        if combined > 1:
+            for p in model.parameters():
+                p.grad.mul_(1.0 / combined)
+        if trace:
+            grads.append({n: p.grad.double().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        losses.append(loss)
+        norms.append(norm)
+        if trace:
+            denoms.append({n: adam_denominator(opt, p) for n, p in model.named_parameters()})
+            trajectory.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+    out = {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    if trace:
+        out.update(grads=grads, denoms=denoms, trajectory=trajectory)
+    return out
+
+
+def adam_denominator(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """``sqrt(v_hat) + eps`` of ``p`` after the step just taken (torch's AdamW arithmetic, in float64)."""
+    state, group = opt.state[p], opt.param_groups[0]
+    t = float(state["step"])
+    return (state["exp_avg_sq"].double() / (1 - group["betas"][1] ** t)).sqrt() + group["eps"]
 
 
 def sweep(combos: list[tuple[int, int, float]], steps: int, micro: int) -> dict:

@@ -179,6 +179,7 @@ def _deepspeed():
     return z2, z3
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("factor", [1.5, 1.0, 2.25])
 def test_deepspeed_zero2_estimate_equals_deepspeed(factor):
     z2, _ = _deepspeed()
@@ -186,6 +187,7 @@ def test_deepspeed_zero2_estimate_equals_deepspeed(factor):
         assert deepspeed_zero2_estimate(tp, g, n, off, factor) == z2(tp, g, n, off, factor)
 
 
+@pytest.mark.peers
 @pytest.mark.parametrize("factor", [1.5, 1.0, 2.25])
 def test_deepspeed_zero3_estimate_equals_deepspeed(factor):
     _, z3 = _deepspeed()

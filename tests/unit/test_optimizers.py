@@ -270,6 +270,7 @@ def test_lamb_two_steps_match_reference(kw):
     assert ours == pytest.approx(_reference_lamb([1.0, 2.0, 2.0], grads, **ref_kw), rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.peers
 def test_lamb_matches_deepspeed_fused_lamb_math():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pytest.importorskip("deepspeed")
@@ -290,6 +291,10 @@ def test_lamb_matches_deepspeed_fused_lamb_math():
     assert torch.allclose(w.detach(), w_ref, rtol=1e-6, atol=1e-7)
 
 
+# Not a peer skip: FusedLamb is a CUDA kernel with no CPU implementation (its math is compared on
+# CPU above, through DeepSpeed's torch port), so this runs with the GPU tests (-m gpu).
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's FusedLamb is a CUDA kernel; no CUDA device")
 def test_lamb_matches_deepspeed_fused_lamb_kernel():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pytest.importorskip("deepspeed")
@@ -337,6 +342,7 @@ def test_lion_defaults_match_deepspeed_fused_lion():
     assert (defaults["lr"], defaults["betas"], defaults["weight_decay"]) == (1e-3, (0.9, 0.999), 0.0)
 
 
+@pytest.mark.peers
 def test_lion_defaults_equal_deepspeed_signature():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pytest.importorskip("deepspeed")
