@@ -170,9 +170,9 @@ class Checkpointer:
         (starting with the ones passed in, already found damaged); raises
         :class:`CorruptCheckpointError` when none is intact.
 
-        Note: a tag that fails can only fail in the read phase (before anything is published), in
-        which the ranks fill their fp32 master ranges; the next tag's read overwrites every range
-        again, so nothing of a damaged checkpoint survives into training.
+        Note: a tag that fails can only fail in the read phase, which only reads (the optimizer
+        tier takes the masters in the next phase), so nothing of a damaged checkpoint survives
+        into training.
         """
         skipped = list(skipped)
         for tag in tags:

@@ -30,6 +30,7 @@ from raydeep.checkpoint.restore import copy_unpartitioned
 from raydeep.checkpoint.snapshot import held_range, pieces_in
 from raydeep.checkpoint.storage import Storage
 from raydeep.errors import CheckpointError
+from raydeep.tier import TierState, UnitRange
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -217,9 +218,9 @@ def _read_file(storage: Storage, name: str) -> dict[str, torch.Tensor]:
 
 # --- state dict -> engine -----------------------------------------------------------------------------
 def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool = True) -> list[str]:
-    """Load consolidated weights into an engine of any stage and world size: every rank copies
-    the ranges its units own into its fp32 masters, then the engine publishes them as after an
-    optimizer step (collective: every rank calls it). Buffers and frozen parameters are copied
+    """Load consolidated weights into an engine of any stage and world size: every rank hands
+    the ranges its units own to the optimizer tier as fp32 masters, then the engine publishes
+    them as after an optimizer step (collective: every rank calls it). Buffers and frozen parameters are copied
     whole. Optimizer state, counters and scheduler are untouched. Returns the names not used.
 
     With ``strict``, every trainable parameter must be present with its shape, and every name
@@ -242,13 +243,15 @@ def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool
         problems += [f"{name}: not a parameter or buffer of the model" for name in unexpected]
     if problems:
         raise CheckpointError(f"{where} does not fit this model:\n  " + "\n  ".join(problems[:20]))
-    with torch.no_grad():
-        for unit in engine.strategy.units:
-            start, end, base = held_range(unit)
-            for slot, s, e in pieces_in(unit, start, end):
-                flat = state_dict[slot.name].reshape(-1)[s - slot.offset:e - slot.offset]
-                unit.master.data[s - base:e - base].copy_(flat)
-            used.update(unit.param_names)  # every rank reports the same: each name has an owner somewhere
-    engine.strategy.after_step()  # fp32 masters -> model-dtype shards -> full parameters
+    pieces = []
+    for unit in engine.strategy.units:
+        start, end, _ = held_range(unit)
+        master = torch.empty(max(end - start, 0), dtype=torch.float32)
+        for slot, s, e in pieces_in(unit, start, end):
+            master[s - start:e - start].copy_(state_dict[slot.name].reshape(-1)[s - slot.offset:e - slot.offset])
+        pieces.append(UnitRange(start, end, master))
+        used.update(unit.param_names)  # every rank reports the same: each name has an owner somewhere
+    engine.tier.load_state_dict(TierState(pieces))  # fp32 masters -> model-dtype shards
+    engine.strategy.publish()  # -> full parameters
     used |= copy_unpartitioned(engine, buffers=state_dict, frozen=state_dict)
     return [name for name in state_dict if name not in used]

@@ -1,9 +1,9 @@
 """Load a checkpoint into an engine of any ZeRO stage and world size.
 
 Every rank reads exactly the element ranges its FlatUnits own now (the whole unit for stage 0),
-whatever layout wrote them, then publishes the fp32 masters into the model-dtype parameters
-the same way an optimizer step does. Optimizer states are rebuilt the same way; scalar states
-(``step``) and hyperparameters come from the manifest.
+whatever layout wrote them, into a ``TierState``; the optimizer tier takes the fp32 masters and
+optimizer states from it and the engine publishes the parameters the same way an optimizer step
+does. Scalar states (``step``) and hyperparameters come from the manifest.
 """
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.reader import CheckpointReader
 from raydeep.checkpoint.snapshot import held_range, pieces_in, restore_rng
 from raydeep.errors import CheckpointError
+from raydeep.tier import TierState, UnitRange
 
 logger = logging.getLogger("raydeep")
-# Param-group keys that pick an optimizer implementation rather than hold training state.
-KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def check_compatible(engine, reader: CheckpointReader, strict: bool = True) -> None:
@@ -41,30 +40,35 @@ def check_compatible(engine, reader: CheckpointReader, strict: bool = True) -> N
         raise CheckpointError(f"{reader.path} does not fit this model:\n  " + "\n  ".join(problems[:20]))
 
 
-def read_shards(engine, reader: CheckpointReader, with_optimizer: bool, strict: bool = True) -> dict:
+def read_shards(engine, reader: CheckpointReader, with_optimizer: bool, strict: bool = True) -> TierState:
     """Phase 1 (no collectives, so every rank can report a bad file before anyone waits): check
-    the model fits, fill this rank's fp32 master ranges, and read its optimizer-state ranges."""
+    the model fits and read this rank's fp32 master ranges (and optimizer-state ranges, scalars
+    and hyperparameters). Nothing in the engine changes yet."""
     check_compatible(engine, reader, strict)
     reader.extra()  # verify it now too
-    return {id(unit.master): _load_unit(unit, reader, with_optimizer) for unit in engine.strategy.units}
+    units = [_read_unit(unit, reader, with_optimizer) for unit in engine.strategy.units]
+    if not with_optimizer:
+        return TierState(units)
+    return _optimizer_state(engine, reader.manifest, units)
 
 
-def finish(engine, reader: CheckpointReader, states: dict, with_optimizer: bool, load_lr_scheduler_states: bool = True,
-           load_module_only: bool = False) -> dict:
-    """Phase 2: publish the parameters (collectives), then optimizer, counters, scheduler,
-    scaler and RNG; returns the client state saved with the checkpoint."""
+def finish(engine, reader: CheckpointReader, state: TierState, with_optimizer: bool,
+           load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
+    """Phase 2: the tier takes the masters (and optimizer), the parameters are published
+    (collectives), then counters, scheduler, scaler and RNG; returns the client state saved
+    with the checkpoint."""
     manifest = reader.manifest
-    engine.strategy.after_step()  # fp32 masters -> model-dtype shards -> full parameters
+    with_optimizer = with_optimizer and not load_module_only
+    if with_optimizer and manifest["optimizer"]["class"] not in (None, engine.tier.optimizer_name):
+        logger.warning("checkpoint optimizer %s differs from this run's %s: loading its states anyway",
+                       manifest["optimizer"]["class"], engine.tier.optimizer_name)
+    engine.tier.load_state_dict(state if with_optimizer else state.masters_only())
+    engine.strategy.publish()  # model-dtype shards -> full parameters
     _load_extra(engine, reader)
     client = dict(manifest.get("client_state", {}))
     client.update({k.removeprefix("client/"): v for k, v in reader.extra().items() if k.startswith("client/")})
     if load_module_only:
         return client
-    if with_optimizer:
-        if manifest["optimizer"]["class"] not in (None, type(engine.optimizer).__name__):
-            logger.warning("checkpoint optimizer %s differs from this run's %s: loading its states anyway",
-                           manifest["optimizer"]["class"], type(engine.optimizer).__name__)
-        _load_optimizer(engine.optimizer, manifest, states)
     counters = manifest["counters"]
     engine.global_steps, engine.global_samples = counters["global_steps"], counters["global_samples"]
     engine.skipped_steps = counters["skipped_steps"]
@@ -83,43 +87,33 @@ def finish(engine, reader: CheckpointReader, states: dict, with_optimizer: bool,
     return client
 
 
-def _load_unit(unit, reader: CheckpointReader, with_optimizer: bool) -> dict[str, torch.Tensor]:
-    """Fill this rank's fp32 master range of ``unit``; returns its per-element optimizer states."""
-    start, end, base = held_range(unit)
+def _read_unit(unit, reader: CheckpointReader, with_optimizer: bool) -> UnitRange:
+    """This rank's fp32 master range of ``unit`` and, ``with_optimizer``, its per-element states."""
+    start, end, _ = held_range(unit)
     kinds = reader.manifest["optimizer"]["state_keys"] if with_optimizer else []
-    states = {kind: torch.zeros(unit.master.shape, dtype=reader.state_dtype(kind), device=unit.master.device)
-              for kind in kinds}
-    with torch.no_grad():
-        for slot, s, e in pieces_in(unit, start, end):
-            lo, hi = s - slot.offset, e - slot.offset
-            unit.master.data[s - base:e - base].copy_(reader.read_range(fmt.MASTER, slot.name, lo, hi))
-            for kind, buf in states.items():
-                buf[s - base:e - base].copy_(reader.read_range(kind, slot.name, lo, hi))
-    return states
+    n = max(end - start, 0)
+    piece = UnitRange(start, end, torch.empty(n, dtype=torch.float32),
+                      {kind: torch.empty(n, dtype=reader.state_dtype(kind)) for kind in kinds})
+    for slot, s, e in pieces_in(unit, start, end):
+        lo, hi = s - slot.offset, e - slot.offset
+        piece.master[s - start:e - start].copy_(reader.read_range(fmt.MASTER, slot.name, lo, hi))
+        for kind, buf in piece.states.items():
+            buf[s - start:e - start].copy_(reader.read_range(kind, slot.name, lo, hi))
+    return piece
 
 
-def _load_optimizer(optimizer, manifest: dict, states: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Hyperparameters per group, then each master's state: per-element tensors plus scalars."""
+def _optimizer_state(engine, manifest: dict, units: list[UnitRange]) -> TierState:
+    """The manifest's hyperparameters and scalar states, checked against this run's optimizer."""
     saved_groups, scalars = manifest["param_groups"], manifest["optimizer"]["scalars"]
-    if saved_groups and len(saved_groups) != len(optimizer.param_groups):
+    if saved_groups and len(saved_groups) != len(engine.tier.param_groups):
         raise CheckpointError(f"checkpoint has {len(saved_groups)} optimizer parameter groups, "
-                              f"this run has {len(optimizer.param_groups)}")
-    for g, group in enumerate(optimizer.param_groups):
-        for key, value in (saved_groups[g] if saved_groups else {}).items():
-            if key in KERNEL_CHOICES:
-                continue  # how this run's optimizer executes is its own choice, not the checkpoint's
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-        group_scalars = scalars[g] if g < len(scalars) else {}
-        for master in group["params"]:
-            state = dict(states.get(id(master), {}))
-            for key, spec in group_scalars.items():
-                if spec.get("tensor"):
-                    device = master.device if spec.get("on_param_device") else "cpu"
-                    state[key] = torch.tensor(spec["value"], dtype=fmt.dtype_from_name(spec["dtype"]), device=device)
-                else:
-                    state[key] = spec["value"]
-            if state:
-                optimizer.state[master] = state
+                              f"this run has {len(engine.tier.param_groups)}")
+    for group_scalars in scalars:
+        for spec in group_scalars.values():
+            if spec.get("tensor"):
+                fmt.dtype_from_name(spec["dtype"])  # a damaged manifest fails here, before anything changes
+    dtypes = {kind: units[0].states[kind].dtype for kind in units[0].states} if units else {}
+    return TierState(units, manifest["optimizer"]["class"], dtypes, saved_groups, scalars)
 
 
 def _load_extra(engine, reader: CheckpointReader) -> None:

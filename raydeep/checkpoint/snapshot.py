@@ -37,12 +37,9 @@ class RankSnapshot:
 
 
 def held_range(unit) -> tuple[int, int, int]:
-    """(start, end, base): the flat range of ``unit`` this rank's ``master`` holds (its shard; the
-    whole unit for stage 0), padding excluded, and the flat offset of the master's element 0."""
-    if unit.layout.world_size > 1:
-        lo, hi = unit.layout.shard_range(unit.rank)
-        return lo, min(hi, unit.layout.numel), lo
-    return 0, unit.layout.numel, 0
+    """(start, end, base): the flat range of ``unit`` this rank holds (its shard; the whole unit
+    for stage 0), padding excluded, and the flat offset of the shard's element 0."""
+    return unit.held_range()
 
 
 def owned_range(unit, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -72,21 +69,19 @@ def take(engine, client_state: dict | None, static: dict | None = None) -> RankS
     Model-wide tensors (buffers may change in a forward) are copied here.
     """
     snap = RankSnapshot(rng=_capture_rng())
-    optimizer, packed = engine.optimizer, fmt.PackedFile()
-    for unit in engine.strategy.units:
-        state = optimizer.state.get(unit.master, {})
-        per_element = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == unit.master.shape}
-        start, end, base = owned_range(unit, engine.rank, engine.world_size)
-        if start >= end:
+    units = engine.strategy.units
+    state = engine.tier.state_dict([owned_range(u, engine.rank, engine.world_size)[:2] for u in units])
+    packed = fmt.PackedFile()
+    for unit, piece in zip(units, state.units):
+        if piece.start >= piece.end:
             continue
         # The unit's parameters lie back to back, so the pieces of [start, end) are one slice.
-        by_kind = {fmt.MASTER: unit.master.detach()[start - base:end - base]}
-        by_kind.update({kind: value[start - base:end - base] for kind, value in per_element.items()})
-        packed.add_run([(slot.name, s - slot.offset, e - slot.offset) for slot, s, e in pieces_in(unit, start, end)],
-                       by_kind)
+        by_kind = {fmt.MASTER: piece.master, **piece.states}
+        packed.add_run([(slot.name, s - slot.offset, e - slot.offset)
+                        for slot, s, e in pieces_in(unit, piece.start, piece.end)], by_kind)
     snap.packed, snap.pieces = packed, packed.pieces
     if engine.rank == 0:
-        snap.manifest = {**(static if static is not None else static_state(engine)), **_dynamic_state(engine)}
+        snap.manifest = {**(static if static is not None else static_state(engine)), **_dynamic_state(engine, state)}
         snap.extra = _extra_tensors(engine, client_state or {})
         snap.manifest["client_state"] = {k: v for k, v in (client_state or {}).items() if not torch.is_tensor(v)}
         if snap.manifest["client_state"]:
@@ -107,43 +102,19 @@ def static_state(engine) -> dict:
             "params": params, "config": config.model_dump(mode="json") if config is not None else None}
 
 
-def _dynamic_state(engine) -> dict:
-    optimizer = engine.optimizer
-    state_keys, state_dtypes, scalars = [], {}, []
-    for group in optimizer.param_groups:
-        group_scalars = {}
-        for master in group["params"]:
-            for key, value in optimizer.state.get(master, {}).items():
-                if torch.is_tensor(value) and value.shape == master.shape:
-                    if key not in state_keys:
-                        state_keys.append(key)
-                        state_dtypes[key] = fmt.dtype_name(value.dtype)
-                else:
-                    group_scalars[key] = _scalar(key, value, master)
-        scalars.append(group_scalars)
-    hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-             for g in optimizer.param_groups]
+def _dynamic_state(engine, state) -> dict:
+    """Counters, optimizer scalars and hyperparameters (from the tier's ``state``), scheduler, scaler."""
     scaler = engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "skipped_steps": engine.skipped_steps},
-        "optimizer": {"class": type(optimizer).__name__, "state_keys": state_keys, "state_dtypes": state_dtypes,
-                      "scalars": scalars},
-        "param_groups": hyper, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
+        "optimizer": {"class": state.optimizer, "state_keys": list(state.state_dtypes),
+                      "state_dtypes": {k: fmt.dtype_name(d) for k, d in state.state_dtypes.items()},
+                      "scalars": state.scalars},
+        "param_groups": state.param_groups, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
         "loss_scaler": _jsonable(scaler, "loss scaler state"),
     }
-
-
-def _scalar(key: str, value, master: torch.Tensor) -> dict:
-    if torch.is_tensor(value):
-        if value.numel() != 1:
-            raise TypeError(f"optimizer state {key!r} has shape {tuple(value.shape)}: raydeep checkpoints hold "
-                            "per-element states (the shape of the parameter) and scalars")
-        # Fused kernels keep ``step`` on the parameter's device, the others on the CPU.
-        return {"value": value.item(), "dtype": fmt.dtype_name(value.dtype), "tensor": True,
-                "on_param_device": value.device == master.device}
-    return {"value": value, "tensor": False}
 
 
 def _jsonable(obj, what: str):

@@ -2,8 +2,9 @@
 
 It casts the model to the training precision, makes every rank start from rank 0's weights,
 wraps the modules chosen for activation checkpointing, groups parameters into FlatUnits, picks
-the ZeRO strategy for the stage, and builds the optimizer (over the fp32 master shards), LR
-scheduler and loss scaler. Each component gets only its own section.
+the ZeRO strategy for the stage, and builds the optimizer tier (the fp32 masters of the owned
+shards, the optimizer over them, the update; ``raydeep.tier``), LR scheduler and loss scaler.
+Each component gets only its own section.
 
 A model built under ``raydeep.zero.Init`` arrives partitioned: its slices are moved and cast in
 place (never the full parameters), and each FlatUnit assembles its shard from them. At stages
@@ -21,8 +22,9 @@ from raydeep.config import RaydeepConfig
 from raydeep.engine.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
 from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
-from raydeep.optim.schedulers import build_scheduler
+from raydeep.optim.schedulers import SCHEDULER_NAMES, build_scheduler
 from raydeep.precision.loss_scaler import build_loss_scaler
+from raydeep.tier import LocalTier, OptimizerTier
 from raydeep.zero import partitioned
 from raydeep.zero.flat import FlatUnit
 from raydeep.zero.layout import plan_buckets
@@ -47,8 +49,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     groups = _param_groups(model, model_parameters)
     units, extra = _build_units(model, groups, cfg, rank, world, dtype)
     strategy = _build_strategy(stage, units, cfg, world, dtype, stats, extra)
-    opt = _build_optimizer(cfg, groups, units, optimizer)
-    sched = _build_scheduler(cfg, opt, lr_scheduler)
+    tier = _build_tier(cfg, groups, units, optimizer)
+    sched = _build_scheduler(cfg, tier, lr_scheduler)
     scaler = build_loss_scaler(cfg.fp16.model_dump() if cfg.fp16.enabled else None, stage, rank=rank)
     stats.reset()
     settings = EngineSettings(
@@ -58,7 +60,7 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         skip_nonfinite=cfg.precision != "bf16" or stage in (0, 3) or cfg.bf16.check_grad_overflow,
         compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
         comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown)
-    return Engine(model, strategy, opt, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
+    return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
 
 
 def _place_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype, stats, stage: int) -> None:
@@ -186,27 +188,32 @@ def _build_strategy(stage, units, cfg, world, dtype, stats, extra):
     return {0: Stage0, 1: Stage1, 2: Stage2}[stage](units, reduce, stats)
 
 
-def _build_optimizer(cfg, groups, units, client_optimizer):
-    master_groups = []
-    for g, (opts, _) in enumerate(groups):
-        masters = [u.master for u in units if u.group_index == g]
-        if masters:
-            master_groups.append({**opts, "params": masters})
+def _build_tier(cfg, groups, units, client_optimizer) -> OptimizerTier:
+    """The optimizer tier over the units; the torch optimizer comes from the client or the config."""
     if client_optimizer is not None:
         if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
-            return client_optimizer(master_groups)
-        # Rebuild the user's optimizer over the master shards, keeping its hyperparameters.
-        return type(client_optimizer)(master_groups, **client_optimizer.defaults)
-    if cfg.optimizer is None:
+            make = client_optimizer
+        else:  # rebuild the user's optimizer over the master shards, keeping its hyperparameters
+            def make(master_groups):
+                return type(client_optimizer)(master_groups, **client_optimizer.defaults)
+    elif cfg.optimizer is None:
         raise ValueError("no optimizer: add an \"optimizer\" section to the config or pass optimizer=")
-    spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
-    return build_optimizer(spec, master_groups, prefer_fused=True)
+    else:
+        spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
+
+        def make(master_groups):
+            return build_optimizer(spec, master_groups, prefer_fused=True)
+    return LocalTier(units, [opts for opts, _ in groups], make)
 
 
-def _build_scheduler(cfg, optimizer, client_scheduler):
+def _build_scheduler(cfg, tier: OptimizerTier, client_scheduler):
+    # DeepSpeed's schedulers drive the tier's param_groups; torch's schedulers and a client's
+    # factory require a torch.optim.Optimizer (DeepSpeed hands them its basic optimizer too).
+    torch_optimizer = tier.torch_optimizer or tier
     if client_scheduler is not None:
-        return client_scheduler(optimizer) if callable(client_scheduler) and not hasattr(client_scheduler, "step") \
-            else client_scheduler
+        return client_scheduler(torch_optimizer) if callable(client_scheduler) \
+            and not hasattr(client_scheduler, "step") else client_scheduler
     if cfg.scheduler is None:
         return None
-    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), optimizer)
+    target = tier if cfg.scheduler.type in SCHEDULER_NAMES else torch_optimizer
+    return build_scheduler(cfg.scheduler.type, dict(cfg.scheduler.params), target)

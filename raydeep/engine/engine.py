@@ -5,9 +5,9 @@
     engine.step()                # every micro-batch; the optimizer runs only at the boundary
 
 At the boundary, ``_take_model_step`` does, in order: global gradient norm (one all-reduce) ->
-overflow decision -> loss scaler update -> unscale and clip into the fp32 masters -> optimizer
-step on this rank's shard -> publish updated parameters (all-gather for stages 1-2) -> scheduler
-(not on a skipped step).
+overflow decision -> loss scaler update -> one scale (unscale x clip) -> the optimizer tier's step
+on this rank's shards (``raydeep.tier``: fp32 masters, optimizer states, the update) -> publish the
+updated parameters (all-gather for stages 1-3) -> scheduler (not on a skipped step).
 """
 from __future__ import annotations
 
@@ -55,11 +55,11 @@ class Engine(nn.Module):
     1
     """
 
-    def __init__(self, module, strategy, optimizer, lr_scheduler, scaler, stats, settings: EngineSettings,
+    def __init__(self, module, strategy, tier, lr_scheduler, scaler, stats, settings: EngineSettings,
                  device: torch.device, rank: int, world_size: int):
         super().__init__()
         self.module = module
-        self.strategy, self.optimizer, self.lr_scheduler, self.loss_scaler = strategy, optimizer, lr_scheduler, scaler
+        self.strategy, self.tier, self.lr_scheduler, self.loss_scaler = strategy, tier, lr_scheduler, scaler
         self.stats, self.settings, self.device = stats, settings, device
         self.rank, self.world_size = rank, world_size
         self.local_rank = int(device.index or 0) if device.type == "cuda" else 0
@@ -68,6 +68,7 @@ class Engine(nn.Module):
         self.config = None  # the resolved RaydeepConfig, set by raydeep.initialize
         self.checkpointer = Checkpointer(self)
         strategy.before_master_update = self.checkpointer.fence
+        strategy.params_overwritten = tier.reload_from_params
         self._global_grad_norm: float | None = None
         self._step_applied = False
 
@@ -116,9 +117,8 @@ class Engine(nn.Module):
         else:
             combined = clip_coefficient(total_norm or 0.0, scale, self.settings.gradient_clipping)
             self._global_grad_norm = None if total_norm is None else total_norm / scale
-            self.strategy.set_master_grads(1.0 / combined)
-            self.optimizer.step()
-            self.strategy.after_step()
+            self.tier.step([unit.grad for unit in self.strategy.units], 1.0 / combined)
+            self.strategy.publish()
             self._step_applied = True
         if not overflow and self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -197,6 +197,13 @@ class Engine(nn.Module):
         self.checkpointer.wait()
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------
+    @property
+    def optimizer(self):
+        """DeepSpeed's name for what owns the update: here the optimizer tier, which offers
+        ``param_groups`` (and, on the local tier, ``state`` and the torch ``optimizer``) as
+        DeepSpeed's ZeRO optimizer wrappers do."""
+        return self.tier
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self
@@ -242,10 +249,9 @@ class Engine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, fp32 master, optimizer states, buffers."""
         out = dict(self.strategy.memory_breakdown())
-        states = 0
-        for state in self.optimizer.state.values():
-            states += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
-        out["optimizer_states"] = states
+        held = self.tier.memory()  # wherever the tier keeps them: this rank's device or its host memory
+        out["master"] = sum(held["master"].values())
+        out["optimizer_states"] = sum(held["optimizer_states"].values())
         out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
         out["total"] = sum(out.values())
         return out

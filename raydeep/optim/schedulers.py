@@ -28,6 +28,8 @@ from typing import Any, Sequence
 import torch
 from torch.optim import Optimizer
 
+from raydeep.tier.base import OptimizerTier
+
 logger = logging.getLogger("raydeep")
 
 WARMUP_LOG_RATE = "log"
@@ -38,10 +40,11 @@ SCHEDULER_NAMES: tuple[str, ...] = ("LRRangeTest", "OneCycle", "WarmupLR", "Warm
 _NOT_STARTED_MSG = "Attempting to get learning rate from scheduler before it has started"
 
 
-def _get_torch_optimizer(optimizer: Any) -> Optimizer:
-    # Wrappers that keep the real optimizer in ``.optimizer`` are unwrapped one level, so
-    # the scheduler drives the param groups the step actually reads.
-    if isinstance(optimizer, Optimizer):
+def _optimizer_to_drive(optimizer: Any) -> Optimizer | OptimizerTier:
+    # An optimizer tier is driven through its own param_groups (the ones its step reads), wherever
+    # it keeps the states. Other wrappers that keep the real optimizer in ``.optimizer`` are
+    # unwrapped one level, so the scheduler drives the param groups the step actually reads.
+    if isinstance(optimizer, (Optimizer, OptimizerTier)):
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, Optimizer):
@@ -138,7 +141,7 @@ class LRRangeTest(_Scheduler):
     def __init__(self, optimizer: Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
                  lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
-        self.optimizer = _get_torch_optimizer(optimizer)
+        self.optimizer = _optimizer_to_drive(optimizer)
         n_groups, is_list = len(self.optimizer.param_groups), isinstance(lr_range_test_min_lr, (list, tuple))
         if is_list and len(lr_range_test_min_lr) != n_groups:
             raise ValueError(f"expected {n_groups} lr_range_test_min_lr, got {len(lr_range_test_min_lr)}")
@@ -187,7 +190,7 @@ class OneCycle(_Scheduler):
                  decay_step_size: int = 0, cycle_momentum: bool = True,
                  cycle_min_mom: float | Sequence[float] = 0.8, cycle_max_mom: float | Sequence[float] = 0.9,
                  decay_mom_rate: float = 0.0, last_batch_iteration: int = -1) -> None:
-        self.optimizer = _get_torch_optimizer(optimizer)
+        self.optimizer = _optimizer_to_drive(optimizer)
         self._init_cycle(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
                          cycle_second_stair_count, decay_step_size)
         self.min_lrs = _format_param(self.optimizer, cycle_min_lr, "cycle_min_lr")
@@ -223,7 +226,8 @@ class OneCycle(_Scheduler):
 
     def _init_momentum(self, min_mom: Any, max_mom: Any, decay_mom_rate: float, last_batch_iteration: int) -> None:
         if "betas" not in self.optimizer.defaults:
-            logger.warning(f"cycle_momentum is disabled because optimizer {type(self.optimizer).__name__} does not "
+            name = getattr(self.optimizer, "optimizer_name", type(self.optimizer).__name__)  # a tier: its optimizer's
+            logger.warning(f"cycle_momentum is disabled because optimizer {name} does not "
                            "support momentum, no betas attribute in defaults")
             self.cycle_momentum = False
             return
@@ -306,7 +310,7 @@ class WarmupLR(_Scheduler):
                  warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
                  warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1) -> None:
         _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        self.optimizer = _get_torch_optimizer(optimizer)
+        self.optimizer = _optimizer_to_drive(optimizer)
         if warmup_max_lr is None:
             # Cloned so that filling a tensor lr in place cannot move the target.
             warmup_max_lr = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"]
@@ -388,7 +392,7 @@ class WarmupCosineLR(_Scheduler):
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE,
                  last_batch_iteration: int = -1) -> None:
         _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        self.optimizer = _get_torch_optimizer(optimizer)
+        self.optimizer = _optimizer_to_drive(optimizer)
         self.total_num_steps = total_num_steps
         self.last_batch_iteration = last_batch_iteration
         self.cos_min_ratio = cos_min_ratio

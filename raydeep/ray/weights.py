@@ -1,8 +1,8 @@
 """The consolidated fp32 parameters of an engine, and a digest that makes two runs comparable.
 
-Each rank holds only its shard of every unit's fp32 master (ZeRO 1-3); an all-gather per unit
-rebuilds the full flat buffer on every rank, and the unit's layout maps it back to named
-parameters. The masters are what the optimizer updates, so this is the model's exact state in
+Each rank's optimizer tier holds only its shard of every unit's fp32 master (ZeRO 1-3); an
+all-gather per unit rebuilds the full flat buffer on every rank, and the unit's layout maps it
+back to named parameters. The masters are what the optimizer updates, so this is the model's exact state in
 any precision (in fp16/bf16 training the module's own weights are rounded copies of them).
 
 ``param_sha256`` hashes the parameters in name order (name, shape and little-endian fp32 bytes),
@@ -20,13 +20,18 @@ from raydeep import comm
 def consolidated_fp32(engine) -> dict[str, torch.Tensor]:
     """Every parameter's fp32 master value, full size, on CPU; collective: call on every rank."""
     named: dict[str, torch.Tensor] = {}
-    for unit in engine.strategy.units:
-        layout, master = unit.layout, unit.master.detach().float()
+    state = engine.tier.state_dict(with_optimizer=False)
+    for unit, piece in zip(engine.strategy.units, state.units):
+        layout = unit.layout
+        # The held range without padding, padded back (with zeros: no slot reads them) to the shard.
+        shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=piece.master.device)
+        base = unit.held_range()[2]
+        shard[piece.start - base:piece.end - base].copy_(piece.master)
         if layout.world_size > 1:
-            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=master.device)
-            comm.all_gather(full, master.contiguous())
+            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=shard.device)
+            comm.all_gather(full, shard)
         else:
-            full = master
+            full = shard
         for slot in layout.slots:
             named[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).cpu().clone()
     return dict(sorted(named.items()))

@@ -6,9 +6,10 @@ Every ZeRO stage is built from FlatUnits; stages differ only in what each unit k
               Stage 3 frees its storage between uses (the views survive and refill on gather).
 - ``local``:  this rank's shard of the parameters. A view into ``full`` for stages 0-2; separate
               storage for stage 3, because ``full`` is freed.
-- ``master``: the fp32 ``nn.Parameter`` the optimizer updates. In fp32 training it *is* ``local``
-              (no copy); in fp16/bf16 it is an fp32 copy.
 - ``grad``:   this rank's gradient shard (``grad_accum_dtype``), which clipping and the optimizer read.
+
+The fp32 masters are not the unit's: the optimizer tier (``raydeep.tier``) owns them, updates
+them from ``grad`` and writes the result into ``local``.
 
 Parameters partitioned by ``zero.Init`` arrive as per-parameter slices; the unit re-cuts them into
 its own layout with one all-gather (``partitioned.fill_unit``) and, when ``local`` has storage of
@@ -44,8 +45,6 @@ class FlatUnit:
             p.data = self._view(slot)
         lo, hi = self.layout.shard_range(self.rank)
         self.local = self.full[lo:hi].clone() if separate_local else self.full[lo:hi]
-        master_data = self.local if dtype == torch.float32 else self.local.detach().float()
-        self.master = nn.Parameter(master_data, requires_grad=True)
         self.grad = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
         self.gathered = True
         self.pending = None  # an in-flight all-gather (stage-3 prefetch)
@@ -86,10 +85,13 @@ class FlatUnit:
         for p in self.params:
             p.grad = None
 
-    def write_master_to_local(self) -> None:
-        """Copy the updated fp32 master into the model-dtype shard (no-op when they are the same)."""
-        if self.master.data.data_ptr() != self.local.data_ptr():
-            self.local.copy_(self.master.data)
+    def held_range(self) -> tuple[int, int, int]:
+        """(start, end, base): the flat elements ``local`` holds -- the shard, or the whole unit at
+        stage 0 -- padding excluded, and the flat offset of ``local``'s element 0."""
+        if self.layout.world_size > 1:
+            lo, hi = self.layout.shard_range(self.rank)
+            return lo, min(hi, self.layout.numel), lo
+        return 0, self.layout.numel, 0
 
     # --- accounting -----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -97,5 +99,4 @@ class FlatUnit:
         full_bytes = self.full.untyped_storage().nbytes()
         separate_local = self.local.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
         params = full_bytes + (self.local.numel() * self.local.element_size() if separate_local else 0)
-        master = 0 if self.master.data.data_ptr() == self.local.data_ptr() else self.master.numel() * 4
-        return {"params": params, "master": master, "grads": self.grad.numel() * self.grad.element_size()}
+        return {"params": params, "grads": self.grad.numel() * self.grad.element_size()}

@@ -181,9 +181,8 @@ class Stage3(Stage2):
             if i not in self.persistent and unit.gathered and unit.pending is None:
                 unit.free_full()
 
-    def after_step(self) -> None:
-        for unit in self.units:
-            unit.write_master_to_local()
+    def publish(self) -> None:
+        # Non-persistent units are gathered when their module next runs.
         _gather_all([self.units[i] for i in sorted(self.persistent)], self.stats)
 
     def gathered(self, params: list[nn.Parameter]):
@@ -209,8 +208,7 @@ class _Gathered:
             comm.broadcast(unit.full, src_rank, self.strategy.stats)
             lo, hi = unit.layout.shard_range(unit.rank)
             unit.local.copy_(unit.full[lo:hi])
-            if unit.master.data.data_ptr() != unit.local.data_ptr():
-                unit.master.data.copy_(unit.local)
+        self.strategy.params_overwritten(self.indices)
 
     def __exit__(self, *exc):
         for i in self.indices:

@@ -1,9 +1,10 @@
 """ZeRO stages 0-2: one strategy class per stage behind one small interface.
 
 The engine calls, per micro-step: ``begin_backward(boundary)``, autograd, ``end_backward(boundary)``;
-at the boundary: ``grad_sq_norm()``, ``set_master_grads(scale)``, the optimizer, ``after_step()``,
-``zero_grad()``. Gradients are reduced unit by unit: a unit is a bucket of parameters (stages 0-2,
-sized by ``reduce_bucket_size``) or a module (stage 3, ``stage3.py``).
+at the boundary: ``grad_sq_norm()``, the optimizer tier's step (which reads each ``unit.grad``
+and writes each ``unit.local``), ``publish()``, ``zero_grad()``. Gradients are reduced unit by
+unit: a unit is a bucket of parameters (stages 0-2, sized by ``reduce_bucket_size``) or a module
+(stage 3, ``stage3.py``).
 
 Note: collectives must be issued in the same order on every rank. Units are reduced when their
 last gradient arrives (autograd runs in the same order everywhere) and any unit a rank did not
@@ -59,6 +60,9 @@ class ZeroStrategy:
         # Called before anything writes the masters outside ``engine.step`` (the engine points it at
         # its checkpointer, whose background save may still be copying them).
         self.before_master_update = lambda: None
+        # Called with the unit indices whose parameters were overwritten outside the step, so the
+        # optimizer tier re-reads its masters from them (the engine points it at the tier).
+        self.params_overwritten = lambda indices: None
         self._unit_of = {}
         # Gradients a unit waits for before it is reduced (computed once: the hooks are a hot path).
         self._expected = [sum(1 for p in unit.params if p.requires_grad) for unit in units]
@@ -92,24 +96,16 @@ class ZeroStrategy:
             total += unit.grad.double().pow(2).sum()
         return float(total)
 
-    def set_master_grads(self, inv_scale: float) -> None:
-        """Unscale/clip the owned gradients into the fp32 masters the optimizer reads."""
-        for unit in self.units:
-            grad = unit.grad.float() if unit.grad.dtype != torch.float32 else unit.grad.clone()
-            unit.master.grad = grad.mul_(inv_scale)
-
-    def after_step(self) -> None:
-        """Make the updated shards visible as full parameters."""
-        for unit in self.units:
-            unit.write_master_to_local()
+    def publish(self) -> None:
+        """Make the updated shards (each ``unit.local``) visible as full parameters. At stage 0
+        ``local`` is the full buffer itself: nothing to do."""
 
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grad.zero_()
-            unit.master.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
-        totals = {"params": 0, "grads": 0, "master": 0}
+        totals = {"params": 0, "grads": 0}
         for unit in self.units:
             for kind, nbytes in unit.memory().items():
                 totals[kind] += nbytes
@@ -205,8 +201,7 @@ class Stage1(ZeroStrategy):
         pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
         return pending, lambda: unit.grad.copy_(out.mul_(self.reduce.post_factor))
 
-    def after_step(self) -> None:
-        super().after_step()
+    def publish(self) -> None:
         _gather_all(self.units, self.stats)
 
     def zero_grad(self) -> None:
@@ -242,8 +237,7 @@ class Stage2(ZeroStrategy):
         pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
         return pending, lambda: unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
 
-    def after_step(self) -> None:
-        super().after_step()
+    def publish(self) -> None:
         _gather_all(self.units, self.stats)
 
 

@@ -1,0 +1,120 @@
+"""The optimizer tier's interface: what the engine, checkpoints and schedulers may ask of it.
+
+A tier owns everything of the update on one rank: the fp32 master of each FlatUnit's owned shard,
+the optimizer states, and the optimizer itself. The engine hands it the owned gradient shards and
+one multiplier; the tier updates its masters and writes the new parameters, in the model dtype,
+into each ``unit.local``, from where the ZeRO strategy publishes them. Nothing else touches the
+masters or the optimizer states: checkpoints go through ``state_dict``/``load_state_dict`` (element
+ranges of each unit, so they are independent of where the tier keeps them), ``memory_breakdown``
+through ``memory``, the LR schedulers through ``param_groups``.
+
+Where the states live is the tier's choice: on the rank (``LocalTier``), and later in pinned host
+memory or in Ray actors on CPU nodes. A compressed-communication optimizer is a tier too.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from raydeep.zero.flat import FlatUnit
+
+# Param-group keys that pick an optimizer implementation rather than hold training state.
+KERNEL_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+@dataclass
+class UnitRange:
+    """Elements ``[start, end)`` of one unit's flat parameters (padding excluded): their fp32
+    master values and each per-element optimizer state (``exp_avg``, ...) over the same range."""
+
+    start: int
+    end: int
+    master: torch.Tensor
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TierState:
+    """A tier's state over element ranges, one ``UnitRange`` per unit in unit order.
+
+    ``scalars`` is ``None`` for masters only (loading one leaves the optimizer as it is); otherwise
+    it holds, per param group, each scalar state (``step``) as a JSON-ready spec:
+    ``{"value", "tensor": True, "dtype", "on_param_device"}`` or ``{"value", "tensor": False}``.
+    ``param_groups`` are the hyperparameters per group (no ``params``; tuples as lists), or
+    ``None`` to keep this run's. ``state_dtypes`` names each per-element state kind, in order.
+    """
+
+    units: list[UnitRange]
+    optimizer: str | None = None
+    state_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    param_groups: list[dict] | None = None
+    scalars: list[dict[str, dict]] | None = None
+
+    def masters_only(self) -> "TierState":
+        return TierState([replace(u, states={}) for u in self.units])
+
+
+class OptimizerTier(ABC):
+    """Owns each rank's fp32 masters, optimizer states and the update (see the module docstring).
+
+    Hyperparameters: ``param_groups`` is a list of dicts like a ``torch.optim.Optimizer``'s (``lr``,
+    ``betas`` or ``momentum``, ``weight_decay``, ...; ``params`` lists the tier's masters); a value
+    written there is what the next ``step`` uses, so DeepSpeed's LR schedulers drive a tier exactly
+    as they drive a torch optimizer. ``defaults`` is the optimizer's defaults.
+
+    >>> import torch
+    >>> from raydeep.zero.flat import FlatUnit
+    >>> from raydeep.tier import LocalTier
+    >>> unit = FlatUnit("u", [("w", torch.nn.Parameter(torch.ones(3)))], 0, 1, 0, torch.float32, False)
+    >>> tier = LocalTier([unit], [{}], lambda groups: torch.optim.SGD(groups, lr=0.5))
+    >>> tier.step([torch.ones(3)], scale=2.0); unit.params[0].tolist()
+    [0.0, 0.0, 0.0]
+    """
+
+    units: list["FlatUnit"]
+    param_groups: list[dict]
+    defaults: dict
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer's class name, as checkpoints record it (``"AdamW"``)."""
+        raise NotImplementedError
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer | None:
+        """A ``torch.optim.Optimizer`` sharing ``param_groups``, for ``torch.optim.lr_scheduler``
+        classes and client scheduler factories (DeepSpeed hands those its basic optimizer); None
+        when the tier has none on this rank."""
+        return None
+
+    @abstractmethod
+    def step(self, grad_shards: list[torch.Tensor], scale: float) -> None:
+        """One update: ``grad_shards[i]`` is unit ``i``'s owned gradient shard (grad dtype, not
+        modified), multiplied by ``scale`` (unscale x clip) before the optimizer reads it. The
+        updated parameters are in each ``unit.local`` when it returns."""
+
+    @abstractmethod
+    def state_dict(self, ranges: list[tuple[int, int]] | None = None, with_optimizer: bool = True) -> TierState:
+        """The masters (and, ``with_optimizer``, the optimizer states, scalars and hyperparameters)
+        over ``ranges[i]`` of unit ``i`` (default: each unit's ``held_range``). The tensors may be
+        views of live state: copy them before the next ``step``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: TierState) -> None:
+        """Set the masters over the given ranges (and the optimizer, unless ``state.scalars`` is
+        None), then write the parameters into each ``unit.local`` as ``step`` does. Per-element
+        states are replaced whole: elements outside the ranges start from zero."""
+
+    @abstractmethod
+    def reload_from_params(self, indices: list[int]) -> None:
+        """The parameters of these units were overwritten outside ``step`` (a GatheredParameters
+        write-back): take the masters from each ``unit.local``."""
+
+    @abstractmethod
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes held, by kind (``master``, ``optimizer_states``) and then by place (a device such
+        as ``"cuda:0"``, or ``"cpu"``); a master that is the model's own storage counts zero."""

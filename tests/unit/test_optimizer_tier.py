@@ -1,0 +1,151 @@
+"""The optimizer tier's interface, tested directly on the local tier (no process group).
+
+Units are built as rank 1 of 2 (a ZeRO shard, so element ranges start past zero) or unpartitioned
+(stage 0); the engine's behaviour through the tier is covered by the parity and checkpoint suites.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import raydeep
+from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
+from raydeep.optim.schedulers import build_scheduler
+from raydeep.tier import LocalTier, OptimizerTier, TierState, UnitRange
+from raydeep.zero.flat import FlatUnit
+
+
+def _units(dtype: torch.dtype = torch.float32, partitions: int = 2, rank: int = 1) -> list[FlatUnit]:
+    torch.manual_seed(0)
+    shapes = [[("a", (3, 5)), ("b", (7,))], [("c", (4, 3))]]
+    return [FlatUnit(f"u{i}", [(n, nn.Parameter(torch.randn(s).to(dtype))) for n, s in named], rank, partitions,
+                     group_index=i, grad_dtype=dtype, separate_local=False)
+            for i, named in enumerate(shapes)]
+
+
+def _adamw(units, lr: float = 1e-2) -> LocalTier:
+    spec = resolve_optimizer("AdamW", {"lr": lr, "weight_decay": 0.1})
+    return LocalTier(units, [{}, {"weight_decay": 0.0}], lambda groups: build_optimizer(spec, groups))
+
+
+def _grads(units, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(u.layout.shard_numel, generator=g).to(u.grad.dtype) for u in units]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_local_tier_is_an_optimizer_tier_and_writes_the_model_dtype_shard():
+    units = _units(torch.bfloat16)
+    tier = _adamw(units)
+    assert isinstance(tier, OptimizerTier) and tier.optimizer_name == "AdamW"
+    tier.step(_grads(units, 1), scale=0.5)
+    for unit, master in zip(units, tier.masters):
+        assert master.dtype == torch.float32 and master.grad is None
+        assert _same(unit.local, master.detach().to(torch.bfloat16))
+
+
+def test_state_dict_round_trip_over_ranges_continues_bitwise():
+    units_a, units_b = _units(), _units()
+    a, b = _adamw(units_a), _adamw(units_b)
+    for seed in range(3):
+        a.step(_grads(units_a, seed), scale=0.25)
+    b.step(_grads(units_b, 99), scale=1.0)  # different history, to be overwritten
+    state = a.state_dict()
+    assert list(state.state_dtypes) == ["exp_avg", "exp_avg_sq"] and state.optimizer == "AdamW"
+    assert [set(g) for g in state.scalars] == [{"step"}, {"step"}]
+    assert [g["weight_decay"] for g in state.param_groups] == [0.1, 0.0]
+    for unit, piece in zip(units_a, state.units):
+        start, end, _ = unit.held_range()
+        assert (piece.start, piece.end) == (start, end) and piece.master.numel() == end - start
+    b.load_state_dict(state)
+    for unit_a, unit_b in zip(units_a, units_b):
+        assert _same(unit_a.full, unit_b.full)
+    for seed in (7, 8):
+        a.step(_grads(units_a, seed), scale=0.25)
+        b.step(_grads(units_b, seed), scale=0.25)
+    for ma, mb in zip(a.masters, b.masters):
+        assert _same(ma.detach(), mb.detach())
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert _same(a.state[ma][key], b.state[mb][key])
+
+
+def test_state_dict_of_sub_ranges_is_the_slice_of_the_whole():
+    units = _units(partitions=1, rank=0)  # stage 0: a checkpoint splits each unit across ranks
+    tier = _adamw(units)
+    tier.step(_grads(units, 1), scale=1.0)
+    whole = tier.state_dict()
+    ranges = [(2, 9), (0, 5)]
+    part = tier.state_dict(ranges)
+    for (lo, hi), w, p in zip(ranges, whole.units, part.units):
+        assert (p.start, p.end) == (lo, hi)
+        assert _same(p.master, w.master[lo:hi])
+        assert all(_same(p.states[k], w.states[k][lo:hi]) for k in w.states)
+
+
+def test_masters_only_state_leaves_the_optimizer_alone():
+    units = _units()
+    tier = _adamw(units)
+    tier.step(_grads(units, 1), scale=1.0)
+    before = {k: v.clone() for k, v in tier.state[tier.masters[0]].items()}
+    pieces = [UnitRange(p.start, p.end, torch.full_like(p.master, 2.0)) for p in tier.state_dict().units]
+    tier.load_state_dict(TierState(pieces))
+    start, end, base = units[0].held_range()
+    assert torch.all(units[0].local[:end - base] == 2.0)
+    assert all(_same(v, tier.state[tier.masters[0]][k]) for k, v in before.items())
+
+
+def test_param_group_writes_reach_the_update():
+    units = _units(partitions=1, rank=0)
+    tier = LocalTier(units, [{}, {}], lambda groups: torch.optim.SGD(groups, lr=0.5))
+    before = [u.local.clone() for u in units]
+    tier.param_groups[1]["lr"] = 0.25
+    tier.step([torch.ones(u.layout.shard_numel) for u in units], scale=2.0)
+    assert torch.equal(units[0].local, before[0] - 0.5 * 2.0)
+    assert torch.equal(units[1].local, before[1] - 0.25 * 2.0)
+    # DeepSpeed's schedulers drive a tier through the same param_groups.
+    build_scheduler("WarmupLR", {"warmup_min_lr": 0.125, "warmup_max_lr": 1.0}, tier)
+    assert [g["lr"] for g in tier.param_groups] == [0.125, 0.125]
+    after = [u.local.clone() for u in units]
+    tier.step([torch.ones(u.layout.shard_numel) for u in units], scale=1.0)
+    assert all(torch.equal(u.local, b - 0.125) for u, b in zip(units, after))
+
+
+def test_memory_accounts_masters_and_states():
+    units = _units(torch.bfloat16)
+    tier = _adamw(units)
+    shard = sum(u.layout.shard_numel for u in units)
+    assert tier.memory() == {"master": {"cpu": 4 * shard}, "optimizer_states": {}}
+    tier.step(_grads(units, 1), scale=1.0)
+    assert tier.memory() == {"master": {"cpu": 4 * shard}, "optimizer_states": {"cpu": 2 * 4 * shard}}
+    fp32 = _units(torch.float32)
+    assert _adamw(fp32).memory()["master"] == {}  # in fp32 training the master is the shard itself
+
+
+def test_reload_from_params_takes_the_masters_from_the_shards():
+    units = _units(torch.bfloat16)
+    tier = _adamw(units)
+    units[1].local.fill_(3.0)
+    tier.reload_from_params([1])
+    assert torch.all(tier.masters[1] == 3.0) and not torch.all(tier.masters[0] == 3.0)
+
+
+def test_engine_optimizer_is_the_tier():
+    model = nn.Linear(4, 2)
+    engine, optimizer, _, scheduler = raydeep.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1}},
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+    assert optimizer is engine.optimizer is engine.tier and isinstance(optimizer, OptimizerTier)
+    assert scheduler.optimizer is engine.tier and engine.get_lr() == [0.01]
+    engine.backward(engine(torch.ones(2, 4, dtype=torch.bfloat16)).float().pow(2).mean())
+    engine.step()
+    memory = engine.memory_breakdown()
+    numel = sum(p.numel() for p in model.parameters())
+    assert list(memory) == ["params", "grads", "master", "optimizer_states", "buffers", "total"]
+    assert memory["master"] >= 4 * numel and memory["optimizer_states"] >= 8 * numel
+    with pytest.raises(ValueError, match="parameter groups"):
+        engine.tier.load_state_dict(TierState(engine.tier.state_dict().units, param_groups=[{}, {}], scalars=[]))
