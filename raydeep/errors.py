@@ -28,7 +28,28 @@ class RaydeepError(Exception):
     """Base class of raydeep's own errors."""
 
 
-class ConfigError(RaydeepError, ValueError):
+class NamedInputError(RaydeepError):
+    """A user input that cannot work, named by its key or flag, with its value and a one-line fix.
+    Deterministic: retrying cannot help, so a run fails once with this message."""
+
+    def __init__(self, key: str, message: str, *, value: Any = _MISSING, fix: str | None = None):
+        self.key, self.message, self.fix = key, message, fix
+        self.value = None if value is _MISSING else value
+        self._value_given = value is not _MISSING
+        head = key if value is _MISSING else f"{key} = {value!r}"
+        super().__init__(f"{head}: {message}" + (f". Fix: {fix}" if fix else ""))
+
+    def __reduce__(self):
+        # Raised in Ray workers and re-raised on the driver: keep the fields through pickling.
+        kwargs = {"value": self.value, "fix": self.fix} if self._value_given else {"fix": self.fix}
+        return (_rebuild, (type(self), (self.key, self.message), kwargs))
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict) -> RaydeepError:
+    return cls(*args, **kwargs)
+
+
+class ConfigError(NamedInputError, ValueError):
     """A ds_config value raydeep cannot accept.
 
     >>> err = ConfigError("zero_optimization.stage", "must be 0..3", value=4, fix="set it to 3")
@@ -38,20 +59,7 @@ class ConfigError(RaydeepError, ValueError):
 
     def __init__(self, key: str, message: str, *, value: Any = _MISSING, fix: str | None = None):
         # An empty key would print as ": message", which names nothing the user can search for.
-        key = key_part(key) if isinstance(key, str) else key
-        self.key, self.message, self.fix = key, message, fix
-        self.value = None if value is _MISSING else value
-        self._value_given = value is not _MISSING
-        head = key if value is _MISSING else f"{key} = {value!r}"
-        text = f"{head}: {message}"
-        if fix:
-            text += f". Fix: {fix}"
-        super().__init__(text)
-
-    def __reduce__(self):
-        # Raised in Ray workers and re-raised on the driver: keep the fields through pickling.
-        kwargs = {"value": self.value, "fix": self.fix} if self._value_given else {"fix": self.fix}
-        return (_rebuild, (type(self), (self.key, self.message), kwargs))
+        super().__init__(key_part(key) if isinstance(key, str) else key, message, value=value, fix=fix)
 
 
 class ConfigErrors(ConfigError):
@@ -78,29 +86,17 @@ class CheckpointError(RaydeepError):
     """
 
 
-class InputError(RaydeepError):
-    """A run input other than the ds_config that cannot work: a dataset, a model choice, a storage
-    path. Deterministic: retrying cannot help, so the run fails once, naming the input and the fix.
+class InputError(NamedInputError):
+    """A run input other than the ds_config: a dataset, a model choice, a storage path.
 
     >>> str(InputError("--data", "no Parquet files in the directory", value="corpus/", fix="build one"))
     "--data = 'corpus/': no Parquet files in the directory. Fix: build one"
     """
 
-    def __init__(self, name: str, message: str, *, value: Any = _MISSING, fix: str | None = None):
-        self.name, self.message, self.fix = name, message, fix
-        self.value = None if value is _MISSING else value
-        self._value_given = value is not _MISSING
-        head = name if value is _MISSING else f"{name} = {value!r}"
-        super().__init__(f"{head}: {message}" + (f". Fix: {fix}" if fix else ""))
-
-    def __reduce__(self):
-        # Raised in Ray workers and re-raised on the driver: keep the fields through pickling.
-        kwargs = {"value": self.value, "fix": self.fix} if self._value_given else {"fix": self.fix}
-        return (_rebuild, (type(self), (self.name, self.message), kwargs))
-
-
-def _rebuild(cls: type, args: tuple, kwargs: dict) -> RaydeepError:
-    return cls(*args, **kwargs)
+    @property
+    def name(self) -> str:
+        """The flag that names the input (``--data``)."""
+        return self.key
 
 
 class CorruptCheckpointError(CheckpointError):

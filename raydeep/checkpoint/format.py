@@ -111,6 +111,12 @@ def encode(tensors: dict[str, torch.Tensor]) -> list:
     return [len(text).to_bytes(8, "little") + text] + chunks
 
 
+def is_plain_name(name) -> bool:
+    """One non-empty path component that is neither hidden nor a parent reference."""
+    return isinstance(name, str) and bool(name.strip()) and not name.startswith(".") \
+        and not any(c in name for c in "/\\\0")
+
+
 def check_name(name, what: str, where: str, written_by_user: bool = False) -> str:
     """``name`` if it is one plain path component, else a CheckpointError.
 
@@ -119,7 +125,7 @@ def check_name(name, what: str, where: str, written_by_user: bool = False) -> st
     make a load read outside it. A bad name read from the checkpoint itself makes it corrupt;
     one the caller passed (``written_by_user``) is the caller's mistake.
     """
-    if isinstance(name, str) and name.strip() and not name.startswith(".") and not any(c in name for c in "/\\\0"):
+    if is_plain_name(name):
         return name
     error = CheckpointError if written_by_user else CorruptCheckpointError
     raise error(f"{where}: {what} {name!r} is not a plain name (a non-empty name without '/', '\\' or a "

@@ -34,7 +34,7 @@ class TagWriter:
 
     @staticmethod
     def check_tag(tag: str) -> None:
-        if not isinstance(tag, str) or not tag.strip() or tag.startswith(".") or any(c in tag for c in "/\\\0"):
+        if not fmt.is_plain_name(tag):
             raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or '\\' and not "
                              "start with '.'")
 

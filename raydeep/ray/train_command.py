@@ -39,9 +39,13 @@ def _first_lines(exc: BaseException) -> str:
     """Each failed worker's error in one line (Ray Train's message carries whole tracebacks)."""
     failures = getattr(exc, "worker_failures", None)
     if not failures:
-        return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-    return "; ".join(f"rank {rank}: {type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
-                     for rank, err in sorted(failures.items()))
+        return _last_line(exc) or type(exc).__name__
+    return "; ".join(f"rank {rank}: {type(err).__name__}: {_last_line(err)}" for rank, err in sorted(failures.items()))
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def print_summary(console, summary: dict) -> None:

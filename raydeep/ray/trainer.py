@@ -119,9 +119,8 @@ def _join_running(spec: TrainSpec, address: str, log_to_driver: bool) -> None:
         raise InputError("--address", f"a Ray cluster was started on this machine at {address} but cannot be "
                          f"reached ({err})", fix="run `ray stop` to clear it, or pass --address local for a new "
                          "local cluster") from None
-    need = {"CPU": spec.min_workers * spec.cpus_per_worker, "GPU": spec.min_workers * int(spec.use_gpu)}
-    for name, amount in {**spec.resources_per_worker}.items():
-        need[name] = spec.min_workers * amount
+    per_worker = {"CPU": spec.cpus_per_worker, "GPU": int(spec.use_gpu), **spec.resources_per_worker}
+    need = {name: spec.min_workers * amount for name, amount in per_worker.items()}
     have = ray.cluster_resources()
     short = {name: amount for name, amount in need.items() if amount and have.get(name, 0) < amount}
     if short:

@@ -16,7 +16,6 @@ attempt. The session adds raydeep's part:
 """
 from __future__ import annotations
 
-import logging
 import os
 import posixpath
 import socket
@@ -32,8 +31,6 @@ from raydeep.checkpoint.format import LATEST
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.errors import CheckpointError
 from raydeep.ray.loop import run_training
-
-logger = logging.getLogger("raydeep")
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -103,9 +100,8 @@ class RaySession:
         tags, damaged = resume_candidates(Storage.open(self.checkpoint_uri), reported)
         if not tags and not damaged:
             return None
-        tag, client_state, self.skipped = engine.checkpointer.load_first_intact(self.checkpoint_uri, tags, damaged)
-        if self.skipped and self.rank == 0:
-            logger.warning("resumed from %s instead of the damaged %s", tag, ", ".join(t for t, _ in self.skipped))
+        # The checkpointer logs each damaged tag; the driver shows them from the attempt record.
+        _, client_state, self.skipped = engine.checkpointer.load_first_intact(self.checkpoint_uri, tags, damaged)
         return client_state
 
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
