@@ -68,6 +68,16 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, world_size=args.world_size, stage=args.stage, model=args.model)
 
 
+def _parse_resources(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) for v in value.values()):
+        raise argparse.ArgumentTypeError('expected an object of resource amounts, e.g. {"trainer": 1}')
+    return value
+
+
 def train_spec(args: argparse.Namespace):
     """The :class:`~raydeep.ray.TrainSpec` of parsed ``raydeep train`` arguments."""
     from raydeep.ray import TrainSpec, parse_num_workers
@@ -78,7 +88,7 @@ def train_spec(args: argparse.Namespace):
                      cpus_per_worker=args.cpus_per_worker, steps=args.steps, checkpoint_every=args.checkpoint_every,
                      storage_path=args.storage_path, name=args.name or default_run_name(),
                      max_failures=args.max_failures, seed=args.seed, export_fp32=args.export_fp32,
-                     overrides=args.set)
+                     overrides=args.set, resources_per_worker=args.worker_resources)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -147,6 +157,9 @@ def _add_train_parser(sub) -> None:
     train.add_argument("--num-workers", default="2", metavar="N|MIN:MAX", help="fixed, or an elastic range")
     train.add_argument("--use-gpu", action="store_true", help="one GPU per worker (NCCL)")
     train.add_argument("--cpus-per-worker", type=float, default=1.0)
+    train.add_argument("--worker-resources", type=_parse_resources, default={}, metavar="JSON",
+                       help='extra Ray resources each worker needs, e.g. \'{"trainer": 1}\' (keeps workers off '
+                            "nodes without it, such as CPU offload nodes)")
     train.add_argument("--steps", type=int, default=200, help="the global step to train to")
     train.add_argument("--checkpoint-every", type=int, default=50, metavar="K")
     train.add_argument("--storage-path", default="runs", help="shared storage for checkpoints and "

@@ -31,7 +31,7 @@ AUTO_DROPPING_SECTIONS = ("zero_optimization", "fp16", "bf16", "comms_logger", "
                           "wandb", "comet")
 
 # Keys whose own value set includes "auto" (a real setting, not a placeholder to fill in).
-AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "data_types.keep_in_fp32_modules"})
+AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "raydeep.offload_target", "data_types.keep_in_fp32_modules"})
 # Where Hugging Face's integration fills each "auto" from, to make the unresolved-key error useful.
 HF_SOURCES = {
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size",

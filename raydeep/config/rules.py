@@ -56,6 +56,13 @@ def _offload_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     if opt is not None and opt.ratio < 1.0 and zero.stage != 3:
         errors.append(ConfigError("zero_optimization.offload_optimizer.ratio", "Partial offloading only supported for "
                                   "ZeRO Stage 3.", value=opt.ratio, fix="use stage 3 or remove ratio"))
+    if opt is not None and opt.device != "none" and zero.stage == 0:
+        warnings.append("zero_optimization.offload_optimizer has no effect at ZeRO stage 0 (DeepSpeed offloads "
+                        "from stage 1 on): use stage 1-3 to keep the optimizer states in host memory")
+    param = zero.offload_param
+    if param is not None and param.device != "none" and zero.stage != 3:
+        warnings.append(f"zero_optimization.offload_param has no effect at ZeRO stage {zero.stage} (parameters are "
+                        "offloaded at stage 3 only, as in DeepSpeed)")
 
 
 def _reduction_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:

@@ -251,8 +251,20 @@ class RaydeepSection(Section):
     # The field report found checkpointing only attention the best memory/compute balance, so that
     # is the default.
     checkpoint_modules: Literal["none", "attention", "block"] | list[str] = "attention"
-    # Ray custom resource that marks CPU nodes for the optimizer offload tier.
-    offload_resource: str = "offload"
+    # Where offload_optimizer.device "cpu" keeps each rank's fp32 masters and optimizer states:
+    # "host" (the rank's own host memory), "actors" (Ray actors on offload nodes), or "auto"
+    # (actors when the cluster has offload nodes, the host otherwise).
+    offload_target: Literal["auto", "host", "actors"] = "auto"
+    # What marks offload nodes: a Ray custom resource name (ray start --resources='{"raydeep_offload": 1}')
+    # or a node label as key=value (ray start --labels='raydeep/role=offload').
+    offload_resource: str = "raydeep_offload"
+    # Offload actors per rank (each holds a share of the rank's sub-groups; more overlap the
+    # transfers of one with the CPU step of another) and the CPUs each asks for (its threads).
+    offload_actors_per_rank: int = Field(1, ge=1)
+    offload_actor_cpus: float = Field(1.0, gt=0)
+    # Empty the accelerator allocator's cache every N optimizer steps (0: never). The field
+    # report's advice against fragmentation in long runs; it does nothing on a CPU.
+    empty_cache_every: int = Field(0, ge=0)
     seed: int = 1234
     # engine.save_checkpoint writes in a background thread (training continues; the next save waits).
     checkpoint_async: Flag = False

@@ -64,9 +64,8 @@ def refuse(why: str, fix: str, example: Any, *, needs: dict | None = None, inert
 BUILDER, ENGINE = "raydeep/engine/builder.py", "raydeep/engine/engine.py"
 SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batch.py", "raydeep/zero/stage3.py"
 
-_NO_OFFLOAD = 'optimizer and parameter offload are not built in raydeep yet ("device" must be "none")'
-_OFFLOAD_FIX = ('ZeRO stage 3 shards optimizer states, gradients and parameters across the ranks instead; '
-                '`raydeep estimate --params N --world-size W --stage 3` shows the per-rank memory')
+_NVME = "it configures NVMe offload, which raydeep does not support (CPU offload does not read it)"
+TIERS = "raydeep/tier/select.py"
 _MONITOR = ("raydeep does not write {name} logs; `raydeep train` reports step, loss and samples through "
             "ray.train.report with each checkpoint, and steps_per_print logs the step and learning rate")
 _AUTOTUNE = ("raydeep does not run DeepSpeed's autotuner; sweep settings with Ray Tune through "
@@ -113,8 +112,7 @@ SUPPORT: dict[str, Support] = {
     "scheduler.type": read(BUILDER, "raydeep/optim/schedulers.py"),
     "scheduler.params": read(BUILDER, "raydeep/optim/schedulers.py"),
     "zero_allow_untested_optimizer": read("raydeep/config/rules.py"),
-    "zero_force_ds_cpu_optimizer": warn("it only applies to optimizer offload, which raydeep does not build yet",
-                                        False),
+    "zero_force_ds_cpu_optimizer": read(BUILDER),
     "dataloader_drop_last": read("raydeep/engine/api.py"),
     "vocabulary_size": warn("raydeep takes the vocabulary from the model (pad the model's vocabulary to a "
                             "multiple of 8 for tensor-core friendly shapes)", 50304),
@@ -166,27 +164,25 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.elastic_checkpoint": warn("raydeep checkpoints always load on any world size and stage",
                                                  True),
     "zero_optimization.offload_param.device": refuse(
-        "parameter offload is not implemented in raydeep (CPU offload is not built yet; NVMe offload is not "
-        "supported)",
-        'remove offload_param (or the legacy cpu_offload_param) or set its "device" to "none" (DeepSpeed '
-        'ignores it below stage 3 anyway); '
-        + _OFFLOAD_FIX, "cpu"),
-    **{f"zero_optimization.offload_param.{k}": warn(_NO_OFFLOAD, v) for k, v in {
-        "nvme_path": "/local_nvme", "buffer_count": 8, "buffer_size": 10**8 // 2, "max_in_cpu": 10**8,
-        "pin_memory": False}.items()},
+        "NVMe parameter offload is not supported by raydeep", 'use "cpu" (ZeRO stage 3 keeps the parameter '
+        'partitions in host memory) or "none"', "nvme", inert=("cpu",)),
+    "zero_optimization.offload_param.pin_memory": read(BUILDER, "raydeep/zero/flat.py"),
+    **{f"zero_optimization.offload_param.{k}": warn(_NVME, v) for k, v in {
+        "nvme_path": "/local_nvme", "buffer_count": 8, "buffer_size": 10**8 // 2, "max_in_cpu": 10**8}.items()},
     "zero_optimization.offload_optimizer.device": refuse(
-        "optimizer offload is not implemented in raydeep (CPU offload is not built yet; NVMe offload is not "
-        "supported)",
-        'remove offload_optimizer (or the legacy cpu_offload) or set its "device" to "none"; ' + _OFFLOAD_FIX, "cpu"),
-    **{f"zero_optimization.offload_optimizer.{k}": warn(_NO_OFFLOAD, v) for k, v in {
-        "nvme_path": "/local_nvme", "buffer_count": 8, "pin_memory": False, "pipeline_read": True,
-        "pipeline_write": True, "fast_init": True, "cpuadam_cores_perc": 0.5}.items()},
-    "zero_optimization.offload_optimizer.ratio": warn(_NO_OFFLOAD, 0.5, needs=_STAGE3),
+        "NVMe optimizer offload is not supported by raydeep", 'use "cpu": the host tier or offload actors on CPU '
+        'nodes (raydeep.offload_target)', "nvme", inert=("cpu",)),
+    "zero_optimization.offload_optimizer.pin_memory": read(TIERS),
+    "zero_optimization.offload_optimizer.ratio": read(TIERS),
+    **{f"zero_optimization.offload_optimizer.{k}": warn(_NVME, v) for k, v in {
+        "nvme_path": "/local_nvme", "buffer_count": 8, "pipeline_read": True, "pipeline_write": True,
+        "fast_init": True}.items()},
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": warn(
+        "it applies to SuperOffload only; the CPU step's threads are the offload actor's CPUs "
+        "(raydeep.offload_actor_cpus) or the rank's own", 0.5),
     "zero_optimization.offload_optimizer.super_offload": refuse("SuperOffload is not supported by raydeep",
                                                                 "remove super_offload", True),
-    "zero_optimization.sub_group_size": warn(
-        "raydeep steps the optimizer over each rank's whole shard at once, so the transient fp32 gradient "
-        "copy is the whole shard (4 bytes per element), not one sub-group", 100_000_000),
+    "zero_optimization.sub_group_size": read(TIERS),
     "zero_optimization.prefetch_bucket_size": read(BUILDER, STAGE3),
     "zero_optimization.param_persistence_threshold": read(BUILDER),
     "zero_optimization.model_persistence_threshold": read(BUILDER),
@@ -298,8 +294,11 @@ SUPPORT: dict[str, Support] = {
     # --- raydeep's own section ------------------------------------------------------------------
     "raydeep.partition_units": read(BUILDER),
     "raydeep.checkpoint_modules": read(BUILDER, "raydeep/engine/activation.py"),
-    "raydeep.offload_resource": warn("the offload tier that places optimizer states on CPU nodes carrying this "
-                                     "Ray resource is not built yet", "cpu_offload"),
+    "raydeep.offload_target": read(TIERS),
+    "raydeep.offload_resource": read(TIERS),
+    "raydeep.offload_actors_per_rank": read(TIERS),
+    "raydeep.offload_actor_cpus": read(TIERS),
+    "raydeep.empty_cache_every": read(BUILDER, ENGINE),
     "raydeep.seed": refuse("is not read by raydeep: nothing is seeded from it",
                            "remove it and call torch.manual_seed(N) before building the model "
                            "(`raydeep train` takes --seed N)", 42),

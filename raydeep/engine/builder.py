@@ -12,6 +12,7 @@ place (never the full parameters), and each FlatUnit assembles its shard from th
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -19,12 +20,14 @@ from torch import nn
 
 from raydeep import comm
 from raydeep.config import RaydeepConfig
+from raydeep.errors import ConfigError
 from raydeep.engine.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
 from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import SCHEDULER_NAMES, build_scheduler
 from raydeep.precision.loss_scaler import build_loss_scaler
-from raydeep.tier import LocalTier, OptimizerTier
+from raydeep.tier import OptimizerTier
+from raydeep.tier.select import rebuild_client_optimizer, select_tier
 from raydeep.zero import partitioned
 from raydeep.zero.flat import FlatUnit
 from raydeep.zero.layout import plan_buckets
@@ -59,7 +62,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         precision=cfg.precision, stage=stage, steps_per_print=cfg.steps_per_print,
         skip_nonfinite=cfg.precision != "bf16" or stage in (0, 3) or cfg.bf16.check_grad_overflow,
         compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
-        comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown)
+        comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown,
+        empty_cache_every=cfg.raydeep.empty_cache_every)
     return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
 
 
@@ -139,6 +143,8 @@ def _stage3_units(model, groups, cfg, rank, world, grad_dtype):
     owner = _unit_owners(modules)
     group_of = {p: g for g, (_, named) in enumerate(groups) for _, p in named}
     persistent_budget = zero.model_persistence_threshold
+    offload = zero.offload_param
+    host_params = offload is not None and offload.device == "cpu"  # ZeRO-3 Offload of the parameters
     buckets: dict[tuple, list] = {}
     for g, (_, named) in enumerate(groups):
         for name, p in named:
@@ -151,7 +157,8 @@ def _stage3_units(model, groups, cfg, rank, world, grad_dtype):
     for key, named in buckets.items():
         index = len(units)
         units.append(FlatUnit(f"{key[0]}.group{key[1]}", named, rank, world, key[1], grad_dtype,
-                              separate_local=key[0] != "persistent"))
+                              separate_local=key[0] != "persistent", host_local=host_params,
+                              pin_memory=bool(offload and offload.pin_memory)))
         if key[0] == "persistent":
             persistent.add(index)
         else:
@@ -189,21 +196,27 @@ def _build_strategy(stage, units, cfg, world, dtype, stats, extra):
 
 
 def _build_tier(cfg, groups, units, client_optimizer) -> OptimizerTier:
-    """The optimizer tier over the units; the torch optimizer comes from the client or the config."""
+    """The optimizer tier over the units (``raydeep.tier.select``); the torch optimizer comes from
+    the client or the config, through a factory that pickles (offload actors build it too)."""
+    offload = cfg.zero_optimization.offload_optimizer
+    offloading = offload is not None and offload.device != "none" and cfg.zero_optimization.stage > 0
     if client_optimizer is not None:
+        if offloading and cfg.zero_force_ds_cpu_optimizer:
+            raise ConfigError("zero_force_ds_cpu_optimizer", "You are using ZeRO-Offload with a client provided "
+                              f"optimizer ({type(client_optimizer).__name__}) which in most cases will yield poor "
+                              "performance", value=True, fix="set an optimizer in the ds_config (raydeep runs it "
+                              "with torch's fused CPU kernel) or set \"zero_force_ds_cpu_optimizer\": false")
         if callable(client_optimizer) and not isinstance(client_optimizer, torch.optim.Optimizer):
             make = client_optimizer
         else:  # rebuild the user's optimizer over the master shards, keeping its hyperparameters
-            def make(master_groups):
-                return type(client_optimizer)(master_groups, **client_optimizer.defaults)
+            make = functools.partial(rebuild_client_optimizer, type(client_optimizer),
+                                     dict(client_optimizer.defaults))
     elif cfg.optimizer is None:
         raise ValueError("no optimizer: add an \"optimizer\" section to the config or pass optimizer=")
     else:
         spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
-
-        def make(master_groups):
-            return build_optimizer(spec, master_groups, prefer_fused=True)
-    return LocalTier(units, [opts for opts, _ in groups], make)
+        make = functools.partial(build_optimizer, spec, prefer_fused=True)
+    return select_tier(cfg, units, [opts for opts, _ in groups], make)
 
 
 def _build_scheduler(cfg, tier: OptimizerTier, client_scheduler):

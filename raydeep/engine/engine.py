@@ -41,6 +41,7 @@ class EngineSettings:
     compute_grad_norm: bool = True
     auto_cast: bool = False
     comms_logger: bool = False
+    empty_cache_every: int = 0
 
 
 class Engine(nn.Module):
@@ -124,6 +125,9 @@ class Engine(nn.Module):
             self.lr_scheduler.step(**(lr_kwargs or {}))
         self.strategy.zero_grad()
         self.global_steps += 1
+        if self.settings.empty_cache_every and self.global_steps % self.settings.empty_cache_every == 0 \
+                and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the field report's cure for fragmentation in long runs
         self.global_samples += self.settings.train_batch_size
         self._report_progress()
 
@@ -194,7 +198,9 @@ class Engine(nn.Module):
         self.checkpointer.wait()
 
     def destroy(self) -> None:
+        """Wait for an asynchronous save and release the optimizer tier's offload actors."""
         self.checkpointer.wait()
+        self.tier.close()
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------
     @property
@@ -247,13 +253,26 @@ class Engine(nn.Module):
 
     # --- self-measurement --------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients, fp32 master, optimizer states, buffers."""
+        """Bytes this rank holds on its device: parameters, gradients, fp32 master, optimizer states,
+        buffers and their ``total``. Not in the total: ``offloaded`` (masters and optimizer states
+        the tier keeps in host memory away from the device or in offload actors, and stage-3
+        parameter partitions ``offload_param`` keeps in host memory) and
+        ``step_buffers`` (the most fp32 gradient and staging bytes the last step held at once on
+        the device, which ``sub_group_size`` bounds). On CUDA also the allocator's
+        ``cuda_allocated`` and ``cuda_reserved`` bytes (reserved minus allocated is fragmentation)."""
         out = dict(self.strategy.memory_breakdown())
-        held = self.tier.memory()  # wherever the tier keeps them: this rank's device or its host memory
-        out["master"] = sum(held["master"].values())
-        out["optimizer_states"] = sum(held["optimizer_states"].values())
+        offloaded_params = out.pop("offloaded", 0)  # offload_param: partitions in host memory
+        held, here = self.tier.memory(), str(self.device)
+        for kind in ("master", "optimizer_states"):
+            out[kind] = held[kind].get(here, 0)
         out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
         out["total"] = sum(out.values())
+        out["offloaded"] = offloaded_params + sum(n for kind in ("master", "optimizer_states")
+                                                  for place, n in held[kind].items() if place != here)
+        out["step_buffers"] = held.get("step_buffers", {}).get(here, 0)
+        if self.device.type == "cuda":
+            out["cuda_allocated"] = torch.cuda.memory_allocated(self.device)
+            out["cuda_reserved"] = torch.cuda.memory_reserved(self.device)
         return out
 
     def comm_stats(self) -> dict[str, dict[str, float]]:

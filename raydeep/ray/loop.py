@@ -94,10 +94,25 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
               "global_samples": engine.global_samples, "param_sha256": param_sha256(params),
               "samples_sha256": ledger.digest, "attempts": attempts, "train_batch_size": plan.train_batch_size,
               "zero_stage": engine.zero_optimization_stage(), "num_parameters": sum(t.numel() for t in params.values()),
-              "memory": engine.memory_breakdown()}
+              "memory": engine.memory_breakdown(), "offload": _offload_section(engine, world)}
     if spec.export_fp32 and rank == 0:
         save_fp32(params, f"{spec.run_uri}/model_fp32.safetensors")
+    engine.destroy()  # releases the offload actors now rather than when the worker exits
     return result
+
+
+def _offload_section(engine, world: int) -> dict | None:
+    """summary.json's ``offload``: every rank's tier report (None when nothing is offloaded)."""
+    mine = engine.tier.report()
+    reports = [mine] * world
+    if world > 1:
+        reports = [None] * world
+        dist.all_gather_object(reports, mine)
+    if mine is None:
+        return None
+    return {"tier": mine["tier"], "actors": sum(r.get("actors", 0) for r in reports),
+            "node_ids": sorted({n for r in reports for n in r.get("node_ids", [])}),
+            "bytes_held": sum(r["bytes_held"] for r in reports), "ranks": reports}
 
 
 def _tag(step: int, skipped: list, attempt: int) -> str:

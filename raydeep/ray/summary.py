@@ -11,6 +11,9 @@
 - ``attempts[i].skipped_checkpoints``: ``[tag, reason]`` of damaged checkpoints an attempt passed
   over to resume from an older, intact one;
 - ``memory_rank0``: rank 0's model-state bytes as the engine measures them (``memory_breakdown()``).
+- ``offload``: where the optimizer tier keeps the masters and optimizer states when they are
+  offloaded (``tier``: ``host`` or ``actors``; the actor count, the offload nodes' ids, the bytes
+  held, and per rank the seconds per step in the update, in transfer and in the CPU step), or null.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def build_summary(spec, result: dict, snapshot: dict, driver_id: str, started: f
         "attempts": attempts, "recoveries": recoveries(seen),
         "samples_per_s": advanced / elapsed, "elapsed_s": elapsed,
         "param_sha256": result["param_sha256"], "samples_sha256": result["samples_sha256"],
+        "offload": result.get("offload"),
     }
 
 

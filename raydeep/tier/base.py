@@ -97,17 +97,56 @@ class OptimizerTier(ABC):
         modified), multiplied by ``scale`` (unscale x clip) before the optimizer reads it. The
         updated parameters are in each ``unit.local`` when it returns."""
 
-    @abstractmethod
     def state_dict(self, ranges: list[tuple[int, int]] | None = None, with_optimizer: bool = True) -> TierState:
         """The masters (and, ``with_optimizer``, the optimizer states, scalars and hyperparameters)
         over ``ranges[i]`` of unit ``i`` (default: each unit's ``held_range``). The tensors may be
         views of live state: copy them before the next ``step``."""
+        flat, local = [], {}
+        for i, unit in enumerate(self.units):
+            start, end, base = unit.held_range()
+            if ranges is not None:
+                lo, hi = ranges[i]
+                assert lo >= hi or start <= lo <= hi <= end, f"{unit.name}: {ranges[i]} is not held here"
+                start, end = lo, hi
+            flat.append((start, end))
+            local[i] = (start - base, end - base)
+        segments, dtypes, scalars = self._export(local, with_optimizer)
+        joined = assemble(segments, local, len(self.units))
+        pieces = [UnitRange(start, end, master, states) for (start, end), (master, states) in zip(flat, joined)]
+        if not with_optimizer:
+            return TierState(pieces)
+        hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                 for g in self.param_groups]
+        return TierState(pieces, self.optimizer_name, dtypes, hyper,
+                         [scalars.get(g, {}) for g in range(len(self.param_groups))])
 
-    @abstractmethod
     def load_state_dict(self, state: TierState) -> None:
         """Set the masters over the given ranges (and the optimizer, unless ``state.scalars`` is
         None), then write the parameters into each ``unit.local`` as ``step`` does. Per-element
         states are replaced whole: elements outside the ranges start from zero."""
+        if state.param_groups and len(state.param_groups) != len(self.param_groups):
+            raise ValueError(f"the state has {len(state.param_groups)} optimizer parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        if state.scalars is not None:
+            for group, saved in zip(self.param_groups, state.param_groups or [{}] * len(self.param_groups)):
+                for key, value in saved.items():
+                    if key not in KERNEL_CHOICES:  # how this run's optimizer executes is its own choice
+                        group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        local = []
+        for unit, piece in zip(self.units, state.units):
+            base = unit.held_range()[2]
+            local.append(replace(piece, start=piece.start - base, end=piece.end - base))
+        self._import(local, state.scalars)
+
+    # --- what each tier provides for the two above ------------------------------------------------
+    @abstractmethod
+    def _export(self, ranges: dict[int, tuple[int, int]], with_optimizer: bool) -> tuple:
+        """``(segments, state dtypes, scalars by group index)`` over ``ranges[unit]`` (offsets
+        into ``unit.local``), as ``MasterShards.export`` and ``MasterShards.scalars`` give them."""
+
+    @abstractmethod
+    def _import(self, pieces: list[UnitRange], scalars: list[dict] | None) -> None:
+        """``MasterShards.load`` on wherever the masters live, then write every ``unit.local``."""
 
     @abstractmethod
     def reload_from_params(self, indices: list[int]) -> None:
@@ -116,5 +155,35 @@ class OptimizerTier(ABC):
 
     @abstractmethod
     def memory(self) -> dict[str, dict[str, int]]:
-        """Bytes held, by kind (``master``, ``optimizer_states``) and then by place (a device such
-        as ``"cuda:0"``, or ``"cpu"``); a master that is the model's own storage counts zero."""
+        """Bytes held, by kind (``master``, ``optimizer_states``, and ``step_buffers``: the most
+        fp32 gradient and staging bytes held at once during the last step) and then by place: a
+        device such as ``"cuda:0"`` or ``"cpu"`` in this process, or ``"actor:<node id>"``. A master
+        that is the model's own storage counts zero."""
+
+    def close(self) -> None:
+        """Release what the tier holds outside this process (offload actors); idempotent."""
+
+    def report(self) -> dict | None:
+        """What ``summary.json``'s ``offload`` section shows for this rank (None: not offloaded)."""
+        return None
+
+
+def assemble(segments: list, ranges: dict[int, tuple[int, int]], units: int) -> list[tuple]:
+    """Per unit, ``(master, states)`` over its range, joined from the segments that cover it
+    (a view when one segment does). A segment has ``unit``, ``lo``, ``hi``, ``master``, ``states``."""
+    by_unit: dict[int, list] = {}
+    for s in sorted(segments, key=lambda s: (s.unit, s.lo)):
+        by_unit.setdefault(s.unit, []).append(s)
+    out = []
+    for u in range(units):
+        parts = by_unit.get(u, [])
+        lo, hi = ranges.get(u, (0, 0))
+        assert sum(p.hi - p.lo for p in parts) == max(hi - lo, 0), f"unit {u}: range {lo}..{hi} is not covered"
+        if len(parts) == 1:
+            out.append((parts[0].master, dict(parts[0].states)))
+            continue
+        empty = torch.zeros(0, dtype=torch.float32)
+        master = torch.cat([p.master for p in parts]) if parts else empty
+        kinds = parts[0].states.keys() if parts else ()
+        out.append((master, {k: torch.cat([p.states[k] for p in parts]) for k in kinds}))
+    return out

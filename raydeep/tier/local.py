@@ -1,43 +1,66 @@
-"""LocalTier: the fp32 masters and a ``torch.optim`` optimizer on the rank itself.
+"""The in-process tiers: the fp32 masters and a ``torch.optim`` optimizer in the rank's own process.
 
-This is the tier every other one is measured against (the naive reference beside the optimized
-paths): each unit's master is an ``nn.Parameter`` over the owned shard -- in fp32 training the
-shard itself, so there is no copy -- and a plain torch optimizer updates them in place.
+``LocalTier`` keeps them beside the parameters, on the rank's device: the tier every other one is
+measured against (the naive reference beside the optimized paths). In fp32 training each unit's
+master *is* its shard, so there is no copy.
 
-Note: ``step`` does exactly what the engine did before the tier existed, in the same order
-(cast or copy the gradient to fp32, multiply by the one scale, ``optimizer.step()``, copy the
-master into the model-dtype shard), so training is bitwise unchanged.
+``HostTier`` is ZeRO-Offload (``offload_optimizer.device: "cpu"``): the masters and optimizer
+states live in host memory (pinned with ``pin_memory`` when there is an accelerator), the update
+runs on the CPU with torch's fused Adam/AdamW (the multi-tensor path for the others), one
+sub-group at a time, and updated parameters are copied back to the device. With ``ratio`` < 1
+(stage 3) only the first ``ratio`` of the sub-groups live on the host; the rest stay on the device.
+
+Note: ``step`` does what the engine did before the tier existed, in the same order per element
+(cast or copy the gradient to fp32, multiply by the one scale, the optimizer's update, copy the
+master into the model-dtype shard), so the local tier trains bitwise as before and the host tier
+computes the same bits on a CPU rank.
 """
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from raydeep.tier.base import KERNEL_CHOICES, OptimizerTier, TierState, UnitRange
+from raydeep.tier.base import OptimizerTier, UnitRange
+from raydeep.tier.masters import MasterShards, plan_sub_groups
 from raydeep.zero.flat import FlatUnit
+
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default: one sub-group for any model that fits a node
 
 
 class LocalTier(OptimizerTier):
     """Masters and optimizer states on this rank; ``make_optimizer(param_groups)`` builds the torch
-    optimizer over the masters, one group per entry of ``group_options`` (its hyperparameters)."""
+    optimizer over the masters, one group per entry of ``group_options`` (its hyperparameters).
+    ``sub_group_size`` tiles the update (``raydeep.tier.masters``)."""
 
     def __init__(self, units: list[FlatUnit], group_options: list[dict],
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+                 sub_group_size: int = DEFAULT_SUB_GROUP_SIZE):
         self.units = units
-        # In fp32 training the master *is* the shard (no copy); else an fp32 copy of it.
-        self.masters = [nn.Parameter(u.local if u.dtype == torch.float32 else u.local.detach().float(),
-                                     requires_grad=True) for u in units]
-        groups = []
-        for g, options in enumerate(group_options):
-            masters = [m for m, u in zip(self.masters, units) if u.group_index == g]
-            if masters:
-                groups.append({**options, "params": masters})
-        self.optimizer = make_optimizer(groups)
-        self._unit_of_master = {id(m): i for i, m in enumerate(self.masters)}
+        self.sub_groups = plan_sub_groups([u.local.numel() for u in units], [u.group_index for u in units],
+                                          sub_group_size)
+        places = self._master_places()
+        self.masters = [self._make_master(u, place) for u, place in zip(units, places)]
+        chunk_masters = [self.masters[c.unit] if c.numel == units[c.unit].local.numel()
+                         else self.masters[c.unit][c.lo:c.hi] for sg in self.sub_groups for c in sg]
+        self.shards = MasterShards(self.sub_groups, chunk_masters, group_options, make_optimizer)
+
+    def _master_places(self) -> list[torch.device]:
+        return [u.full.device for u in self.units]  # the compute device, even where offload_param keeps ``local``
+
+    def _make_master(self, unit: FlatUnit, place: torch.device) -> torch.Tensor:
+        # In fp32 training on the parameters' device the master is the shard itself (no copy).
+        if unit.dtype == torch.float32 and place == unit.local.device:
+            return unit.local
+        return unit.local.detach().to(place, torch.float32, copy=True)
 
     # --- DeepSpeed's optimizer surface: what user code reads from engine.optimizer ----------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.shards.optimizer
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups  # the same dicts: a write reaches the next step
@@ -48,7 +71,7 @@ class LocalTier(OptimizerTier):
 
     @property
     def state(self):
-        """The torch optimizer's per-master state (DeepSpeed's ZeRO optimizers expose it too)."""
+        """The torch optimizer's per-chunk state (DeepSpeed's ZeRO optimizers expose it too)."""
         return self.optimizer.state
 
     @property
@@ -61,129 +84,137 @@ class LocalTier(OptimizerTier):
 
     # --- the update -------------------------------------------------------------------------------
     def step(self, grad_shards: list[torch.Tensor], scale: float) -> None:
-        for master, shard in zip(self.masters, grad_shards):
-            grad = shard.float() if shard.dtype != torch.float32 else shard.clone()
-            master.grad = grad.mul_(scale)
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self._write_params()
+        self.shards.peak_grad_bytes = {}
+        for k, sub_group in enumerate(self.sub_groups):
+            grads = [grad_shards[c.unit][c.lo:c.hi] for c in sub_group]
+            self.shards.step_sub_group(k, grads, scale)
+            self._write_params(sub_group)
 
-    def _write_params(self) -> None:
-        """Copy each updated fp32 master into the model-dtype shard (nothing when they are one)."""
-        for unit, master in zip(self.units, self.masters):
-            if master.data.data_ptr() != unit.local.data_ptr():
-                unit.local.copy_(master.data)
+    def _write_params(self, chunks) -> None:
+        """Copy updated fp32 masters into the model-dtype shards (nothing where they are one)."""
+        for c in chunks:
+            unit, master = self.units[c.unit], self.masters[c.unit]
+            if master.data_ptr() != unit.local.data_ptr():
+                unit.local[c.lo:c.hi].copy_(master[c.lo:c.hi], non_blocking=master.is_pinned())
 
     def reload_from_params(self, indices: list[int]) -> None:
         for i in indices:
             master, unit = self.masters[i], self.units[i]
-            if master.data.data_ptr() != unit.local.data_ptr():
-                master.data.copy_(unit.local)
+            if master.data_ptr() != unit.local.data_ptr():
+                master.copy_(unit.local)
 
     # --- state over element ranges ------------------------------------------------------------------
-    def state_dict(self, ranges: list[tuple[int, int]] | None = None, with_optimizer: bool = True) -> TierState:
-        pieces = []
-        for i, (unit, master) in enumerate(zip(self.units, self.masters)):
-            start, end, base = unit.held_range()
-            if ranges is not None:
-                lo, hi = ranges[i]
-                assert lo >= hi or start <= lo <= hi <= end, f"{unit.name}: {ranges[i]} is not held here"
-                start, end = lo, hi
-            state = self.optimizer.state.get(master, {}) if with_optimizer else {}
-            per_element = {k: v[start - base:end - base] for k, v in state.items() if _per_element(v, master)}
-            pieces.append(UnitRange(start, end, master.detach()[start - base:end - base], per_element))
-        if not with_optimizer:
-            return TierState(pieces)
-        dtypes, scalars = {}, []
-        for group in self.param_groups:
-            group_scalars = {}
-            for master in group["params"]:
-                for key, value in self.optimizer.state.get(master, {}).items():
-                    if _per_element(value, master):
-                        dtypes.setdefault(key, value.dtype)
-                    else:
-                        group_scalars[key] = _scalar_spec(key, value, master)
-            scalars.append(group_scalars)
-        hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-                 for g in self.param_groups]
-        return TierState(pieces, self.optimizer_name, dtypes, hyper, scalars)
+    def _export(self, ranges, with_optimizer):
+        dtypes, scalars = self.shards.scalars() if with_optimizer else ({}, {})
+        return self.shards.export(ranges, with_optimizer), dtypes, scalars
 
-    def load_state_dict(self, state: TierState) -> None:
-        if state.param_groups and len(state.param_groups) != len(self.param_groups):
-            raise ValueError(f"the state has {len(state.param_groups)} optimizer parameter groups, "
-                             f"this optimizer has {len(self.param_groups)}")
-        with torch.no_grad():
-            for unit, master, piece in zip(self.units, self.masters, state.units):
-                base = unit.held_range()[2]
-                master.data[piece.start - base:piece.end - base].copy_(piece.master)
-        if state.scalars is not None:
-            self._load_optimizer(state)
-        self._write_params()
-
-    def _load_optimizer(self, state: TierState) -> None:
-        """Hyperparameters per group, then each master's state: per-element tensors plus scalars."""
-        for g, group in enumerate(self.param_groups):
-            for key, value in (state.param_groups[g] if state.param_groups else {}).items():
-                if key in KERNEL_CHOICES:
-                    continue  # how this run's optimizer executes is its own choice, not the state's
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-            group_scalars = state.scalars[g] if g < len(state.scalars) else {}
-            for master in group["params"]:
-                i = self._unit_of_master[id(master)]
-                loaded = self._whole_states(i, state.units[i])
-                for key, spec in group_scalars.items():
-                    loaded[key] = _scalar_from_spec(spec, master)
-                if loaded:
-                    self.optimizer.state[master] = loaded
-
-    def _whole_states(self, i: int, piece: UnitRange) -> dict[str, torch.Tensor]:
-        """Per-element states the size of master ``i``, zero outside the piece's range."""
-        master, base = self.masters[i], self.units[i].held_range()[2]
-        whole = {}
-        for kind, values in piece.states.items():
-            whole[kind] = torch.zeros(master.shape, dtype=values.dtype, device=master.device)
-            whole[kind][piece.start - base:piece.end - base].copy_(values)
-        return whole
+    def _import(self, pieces: list[UnitRange], scalars) -> None:
+        self.shards.load(pieces, scalars)
+        self._write_params([c for sg in self.sub_groups for c in sg])
+        _sync(self.units)
 
     # --- accounting ---------------------------------------------------------------------------------
     def memory(self) -> dict[str, dict[str, int]]:
-        masters, states = {}, {}
+        masters = {}
         for unit, master in zip(self.units, self.masters):
-            if master.data.data_ptr() != unit.local.data_ptr():
+            if master.data_ptr() != unit.local.data_ptr():
                 place = str(master.device)
                 masters[place] = masters.get(place, 0) + master.numel() * 4
-        for state in self.optimizer.state.values():
-            for t in state.values():
-                if torch.is_tensor(t) and t.dim() > 0:  # scalars such as ``step`` are not counted
-                    states[str(t.device)] = states.get(str(t.device), 0) + t.numel() * t.element_size()
-        return {"master": masters, "optimizer_states": states}
+        step = dict(self.shards.peak_grad_bytes)
+        return {"master": masters, "optimizer_states": self.shards.memory(), "step_buffers": step}
 
 
-def _per_element(value, master: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.shape == master.shape
+class HostTier(LocalTier):
+    """ZeRO-Offload to the rank's host memory (see the module docstring).
+
+    Note: on an accelerator, ``step`` pipelines the sub-groups: while the CPU updates sub-group k,
+    a side stream copies sub-group k+1's gradients into a pinned staging buffer and sub-group
+    k-1's parameters back to the device. Each staging buffer is reused only after the event of
+    the copy that last read or wrote it.
+    """
+
+    def __init__(self, units, group_options, make_optimizer, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+                 pin_memory: bool = True, ratio: float = 1.0):
+        self.pin = pin_memory and torch.cuda.is_available()
+        self.ratio = ratio
+        super().__init__(units, group_options, make_optimizer, sub_group_size)
+        self.device = units[0].local.device if units else torch.device("cpu")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._staging: dict[int, torch.Tensor] = {}
+        self.timings = {"steps": 0, "step_s": 0.0}
+
+    def _master_places(self) -> list[torch.device]:
+        # ``ratio``: the units of the first ceil(ratio x sub-groups) sub-groups go to the host.
+        offloaded = math.ceil(self.ratio * len(self.sub_groups))
+        host = {c.unit for sg in self.sub_groups[:offloaded] for c in sg}
+        return [torch.device("cpu") if i in host else u.full.device for i, u in enumerate(self.units)]
+
+    def _make_master(self, unit, place):
+        if place.type != "cpu":
+            return super()._make_master(unit, place)
+        master = torch.empty(unit.local.numel(), dtype=torch.float32, pin_memory=self.pin)
+        return master.copy_(unit.local)
+
+    def report(self) -> dict:
+        held = self.memory()
+        steps = max(1, self.timings["steps"])
+        return {"tier": "host", "bytes_held": sum(held["master"].values()) + sum(held["optimizer_states"].values()),
+                "step_s": self.timings["step_s"] / steps}
+
+    def step(self, grad_shards, scale):
+        began = time.perf_counter()
+        self._step(grad_shards, scale)
+        self.timings["steps"] += 1
+        self.timings["step_s"] += time.perf_counter() - began
+
+    def _step(self, grad_shards, scale):
+        if self._stream is None:  # a CPU rank: the gradients are already in host memory
+            super().step(grad_shards, scale)
+            return
+        self.shards.peak_grad_bytes = {}
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the reduced gradients are ready
+        staged = self._stage(0, grad_shards)
+        for k, sub_group in enumerate(self.sub_groups):
+            grads, ready = staged
+            if k + 1 < len(self.sub_groups):
+                staged = self._stage(k + 1, grad_shards)  # copies while the CPU works on sub-group k
+            ready.synchronize()
+            self.shards.step_sub_group(k, grads, scale)
+            with torch.cuda.stream(self._stream):
+                self._write_params(sub_group)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _stage(self, k: int, grad_shards) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """Start copying sub-group k's gradients into pinned host memory on the side stream."""
+        chunks = self.sub_groups[k]
+        dtype = grad_shards[chunks[0].unit].dtype
+        numel = sum(c.numel for c in chunks)
+        buf = self._staging.get(k % 2)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            size = max(sum(c.numel for c in sg) for sg in self.sub_groups)
+            buf = self._staging[k % 2] = torch.empty(size, dtype=dtype, pin_memory=True)
+        views, offset = [], 0
+        with torch.cuda.stream(self._stream):
+            for c in chunks:
+                grad = grad_shards[c.unit][c.lo:c.hi]
+                view = buf[offset:offset + c.numel] if grad.device.type == "cuda" else grad
+                if grad.device.type == "cuda":
+                    view.copy_(grad, non_blocking=True)
+                views.append(view)
+                offset += c.numel
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return views, event
+
+    def memory(self):
+        held = super().memory()
+        staging = sum(b.numel() * b.element_size() for b in self._staging.values())
+        if staging:
+            held["step_buffers"]["cpu"] = held["step_buffers"].get("cpu", 0) + staging
+        return held
 
 
-def _scalar_spec(key: str, value, master: torch.Tensor) -> dict:
-    if torch.is_tensor(value):
-        if value.numel() != 1:
-            raise TypeError(f"optimizer state {key!r} has shape {tuple(value.shape)}: raydeep checkpoints hold "
-                            "per-element states (the shape of the parameter) and scalars")
-        # Fused kernels keep ``step`` on the parameter's device, the others on the CPU.
-        return {"value": value.item(), "dtype": _dtype_name(value.dtype), "tensor": True,
-                "on_param_device": value.device == master.device}
-    return {"value": value, "tensor": False}
-
-
-def _scalar_from_spec(spec: dict, master: torch.Tensor):
-    if not spec.get("tensor"):
-        return spec["value"]
-    dtype = getattr(torch, spec["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {spec['dtype']!r} for an optimizer scalar state")
-    device = master.device if spec.get("on_param_device") else "cpu"
-    return torch.tensor(spec["value"], dtype=dtype, device=device)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _sync(units: list[FlatUnit]) -> None:
+    """Wait for non-blocking host-to-device parameter copies before anyone reads them."""
+    if units and units[0].local.device.type == "cuda":
+        torch.cuda.current_stream(units[0].local.device).synchronize()

@@ -28,7 +28,8 @@ class FlatUnit:
     """Parameters of one unit, flattened and partitioned; see the module docstring."""
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], rank: int, partitions: int,
-                 group_index: int, grad_dtype: torch.dtype, separate_local: bool):
+                 group_index: int, grad_dtype: torch.dtype, separate_local: bool, host_local: bool = False,
+                 pin_memory: bool = False):
         # With one partition (stage 0) every rank owns the whole buffer.
         self.name, self.rank, self.group_index = name, rank if partitions > 1 else 0, group_index
         self.params = [p for _, p in params]
@@ -44,7 +45,11 @@ class FlatUnit:
             partitioned.release(p)
             p.data = self._view(slot)
         lo, hi = self.layout.shard_range(self.rank)
-        self.local = self.full[lo:hi].clone() if separate_local else self.full[lo:hi]
+        if separate_local and host_local:  # offload_param: the partition lives in (pinned) host memory
+            pin = pin_memory and torch.cuda.is_available()
+            self.local = torch.empty(hi - lo, dtype=dtype, pin_memory=pin).copy_(self.full[lo:hi])
+        else:
+            self.local = self.full[lo:hi].clone() if separate_local else self.full[lo:hi]
         self.grad = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
         self.gathered = True
         self.pending = None  # an in-flight all-gather (stage-3 prefetch)
@@ -94,9 +99,18 @@ class FlatUnit:
         return 0, self.layout.numel, 0
 
     # --- accounting -----------------------------------------------------------------------------
+    def local_on_device(self) -> torch.Tensor:
+        """``local`` on the device of ``full`` (a host-to-device copy when it is offloaded)."""
+        if self.local.device == self.full.device:
+            return self.local
+        return self.local.to(self.full.device, non_blocking=self.local.is_pinned())
+
     def memory(self) -> dict[str, int]:
-        """Bytes this unit holds resident on this rank, by kind."""
+        """Bytes this unit holds resident on this rank, by kind; ``offloaded``: a partition kept in
+        host memory away from the device."""
         full_bytes = self.full.untyped_storage().nbytes()
         separate_local = self.local.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
-        params = full_bytes + (self.local.numel() * self.local.element_size() if separate_local else 0)
-        return {"params": params, "grads": self.grad.numel() * self.grad.element_size()}
+        local_bytes = self.local.numel() * self.local.element_size() if separate_local else 0
+        away = self.local.device != self.full.device
+        return {"params": full_bytes + (0 if away else local_bytes), "grads": self.grad.numel() * self.grad.element_size(),
+                "offloaded": local_bytes if away else 0}

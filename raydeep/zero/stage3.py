@@ -108,7 +108,8 @@ class Stage3(Stage2):
             return
         unit.alloc_full()
         unit.gathered = True
-        pending = comm.all_gather(unit.full, unit.local, self.stats, async_op=async_op)
+        # offload_param: the partition comes from pinned host memory first (DeepSpeed's ZeRO-3 Offload).
+        pending = comm.all_gather(unit.full, unit.local_on_device(), self.stats, async_op=async_op)
         unit.pending = pending if async_op else None
 
     def _follow_trace(self, m: int) -> None:

@@ -105,7 +105,7 @@ class ZeroStrategy:
             unit.grad.zero_()
 
     def memory_breakdown(self) -> dict[str, int]:
-        totals = {"params": 0, "grads": 0}
+        totals = {"params": 0, "grads": 0, "offloaded": 0}
         for unit in self.units:
             for kind, nbytes in unit.memory().items():
                 totals[kind] += nbytes

@@ -4,7 +4,7 @@
 Hugging Face integration would fill in for ``"auto"``) and the resolved values to check. A file
 added to ``jobs/configs/`` without an entry here fails ``test_every_corpus_file_has_an_entry``.
 
-Files that use a feature raydeep refuses (CPU optimizer/parameter offload, 1-bit Adam) stay as users
+Files that use a feature raydeep refuses (1-bit Adam, 0/1 Adam) stay as users
 have them: without ``fixes`` they must be refused naming that key, and with ``fixes`` (the change the
 refusal's fix asks for) they load.
 """
@@ -57,10 +57,6 @@ class Entry:
         return [*self.sets, *self.fixes]
 
 
-NO_OPTIMIZER_OFFLOAD = ('zero_optimization.offload_optimizer.device="none"',)
-NO_PARAM_OFFLOAD = ('zero_optimization.offload_param.device="none"',)
-
-
 CORPUS: dict[str, Entry] = {
     "ds_config_zero2.json": Entry(
         8, ("train_micro_batch_size_per_gpu=4", "gradient_accumulation_steps=1", "fp16.enabled=true",
@@ -69,9 +65,8 @@ CORPUS: dict[str, Entry] = {
         # reduce_bucket_size stays "auto": DeepSpeed drops it to the 5e8 default.
         extra={"zero_optimization.reduce_bucket_size": 500_000_000,
                "zero_optimization.allgather_bucket_size": 200_000_000,
-               "zero_optimization.offload_optimizer.device": "none",
-               "optimizer.params.betas": [0.9, 0.999]},
-        refused="zero_optimization.offload_optimizer.device", fixes=NO_OPTIMIZER_OFFLOAD),
+               "zero_optimization.offload_optimizer.device": "cpu",
+               "optimizer.params.betas": [0.9, 0.999]}),
     "ds_config_zero3.json": Entry(
         16, ("train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=4", "bf16.enabled=true",
              "fp16.enabled=false", *HF_OPTIMIZER, "scheduler.params.total_num_steps=10000",
@@ -83,10 +78,9 @@ CORPUS: dict[str, Entry] = {
                "zero_optimization.param_persistence_threshold": 40_960,
                "zero_optimization.max_live_parameters": 1_000_000_000,
                "zero_optimization.gather_16bit_weights_on_model_save": True,
-               "zero_optimization.offload_param.device": "none",
-               "scheduler.params.total_num_steps": 10_000},
-        refused="zero_optimization.offload_param.device, zero_optimization.offload_optimizer.device",
-        fixes=NO_OPTIMIZER_OFFLOAD + NO_PARAM_OFFLOAD),
+               "zero_optimization.offload_param.device": "cpu",
+               "zero_optimization.offload_optimizer.device": "cpu",
+               "scheduler.params.total_num_steps": 10_000}),
     "megatron_gpt_bf16_zero1.json": Entry(
         32, batch=(512, 4, 4), stage=1, precision="bf16",
         extra={"grad_accum_dtype": "fp32", "steps_per_print": 10, "wall_clock_breakdown": False}),
@@ -101,20 +95,18 @@ CORPUS: dict[str, Entry] = {
         refused="optimizer.type", fixes=('optimizer={"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}',)),
     "seed_175b_zero3_offload.json": Entry(
         1, batch=(1024, 8, 128), stage=3, precision="fp32", optimizer="AdamW", scheduler="WarmupLR",
-        extra={"zero_optimization.offload_optimizer.device": "none",
+        extra={"zero_optimization.offload_optimizer.device": "cpu",
                "zero_optimization.allgather_bucket_size": 500_000_000,
                "zero_optimization.overlap_comm": True,
                "activation_checkpointing.partition_activations": True,
                "activation_checkpointing.contiguous_memory_optimization": True,
                "activation_checkpointing.number_checkpoints": 12,
-               "gradient_clipping": 1.0},
-        refused="zero_optimization.offload_optimizer.device", fixes=NO_OPTIMIZER_OFFLOAD),
+               "gradient_clipping": 1.0}),
     "zero2_offload_fp16.json": Entry(
         16, batch=(16, 1, 1), stage=2, precision="fp16", optimizer="Adam",
-        extra={"zero_optimization.offload_optimizer.device": "none",
+        extra={"zero_optimization.offload_optimizer.device": "cpu",
                "zero_optimization.reduce_bucket_size": 50_000_000,
-               "wall_clock_breakdown": True, "fp16.hysteresis": 2},
-        refused="zero_optimization.offload_optimizer.device", fixes=NO_OPTIMIZER_OFFLOAD),
+               "wall_clock_breakdown": True, "fp16.hysteresis": 2}),
     "chat_zero3_prefetch.json": Entry(
         8, batch=(256, 8, 4), stage=3, precision="fp16", optimizer="AdamW",
         extra={"zero_optimization.prefetch_bucket_size": 30_000_000,
@@ -212,7 +204,7 @@ def test_files_using_a_refused_feature_are_refused_naming_the_key(name):
 
 
 # Fields whose own default is the string "auto" (not a Hugging Face placeholder).
-AUTO_DEFAULTS = {"data_types.keep_in_fp32_modules", "raydeep.partition_units"}
+AUTO_DEFAULTS = {"data_types.keep_in_fp32_modules", "raydeep.partition_units", "raydeep.offload_target"}
 
 
 @pytest.mark.parametrize("name", corpus_files())

@@ -20,6 +20,7 @@ import yaml
 from ray.runtime_env import RuntimeEnv
 
 from raydeep.cli import build_parser, train_spec
+from raydeep.config.sections import RaydeepSection
 from raydeep.ray import parse_num_workers
 from raydeep.ray.trainer import plan_run
 
@@ -40,6 +41,20 @@ def cluster_spec(doc: dict) -> dict:
 
 def pod_specs(spec: dict) -> list[dict]:
     return [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+
+
+OFFLOAD_LABEL = {"raydeep/role": "offload"}  # the node label cluster/README.md documents
+
+
+def offload_groups(spec: dict) -> list[dict]:
+    """The CPU offload worker groups: those whose Ray nodes carry raydeep's offload resource."""
+    return [g for g in spec["workerGroupSpecs"] if RaydeepSection().offload_resource in g.get("resources", {})]
+
+
+def gpu_groups(spec: dict) -> list[dict]:
+    """The worker groups that run ranks: every group but the offload ones."""
+    offload = offload_groups(spec)
+    return [g for g in spec["workerGroupSpecs"] if g not in offload]
 
 
 def rayjob() -> dict:
@@ -91,12 +106,36 @@ def test_pods_one_gpu_rank_each_and_shared_run_storage(doc):
         mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
         assert mounts["/mnt/cluster_storage"] in claims
     assert len(images) == 1
-    for group in spec["workerGroupSpecs"]:
+    assert gpu_groups(spec)
+    for group in gpu_groups(spec):
         (container,) = group["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
             group["template"]["spec"]["tolerations"]
+
+
+@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob.yaml"])
+def test_cpu_offload_group_marked_by_raydeeps_default_resource_and_label(name):
+    """Each manifest has a CPU offload group that raydeep.offload_target "auto" finds with the default
+    raydeep.offload_resource: the Ray custom resource in the group's ``resources`` (not also in
+    rayStartParams, which the operator rejects), the node label in ``labels``, and no GPU."""
+    (doc,) = documents(name)
+    spec = cluster_spec(doc)
+    (group,) = [g for g in spec["workerGroupSpecs"] if "nvidia.com/gpu" not in
+                g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    assert set(group["resources"]) == {RaydeepSection().offload_resource}
+    assert float(group["resources"][RaydeepSection().offload_resource]) > 0
+    assert offload_groups(spec) == [group]
+    assert group["labels"] == OFFLOAD_LABEL
+    assert not {"resources", "labels"} & set(group.get("rayStartParams", {}))
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"] and group["replicas"] >= 1
+    pod = group["template"]["spec"]
+    (container,) = pod["containers"]
+    for kind in ("requests", "limits"):
+        assert not [key for key in container["resources"][kind] if "gpu" in key]
+        assert float(container["resources"][kind]["cpu"]) >= 1
+    assert not pod.get("tolerations")
 
 
 def test_rayjob_entrypoint_is_a_run_its_cluster_can_serve():
@@ -105,7 +144,7 @@ def test_rayjob_entrypoint_is_a_run_its_cluster_can_serve():
     assert args.storage_path.startswith("/mnt/cluster_storage/")
     assert args.name == rayjob()["metadata"]["name"]  # a retried job resumes the same run
     # The elastic range is the GPU group's replica range, and the batch plan serves every size in it.
-    (group,) = rayjob()["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    (group,) = gpu_groups(rayjob()["spec"]["rayClusterSpec"])
     low, high = parse_num_workers(args.num_workers)
     assert (low, high) == (group["minReplicas"], group["maxReplicas"])
     _, schedule = plan_run(train_spec(args))

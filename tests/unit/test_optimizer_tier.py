@@ -12,13 +12,14 @@ from torch import nn
 import raydeep
 from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import build_scheduler
-from raydeep.tier import LocalTier, OptimizerTier, TierState, UnitRange
+from raydeep.tier import HostTier, LocalTier, OptimizerTier, TierState, UnitRange
+from raydeep.tier.masters import ALIGN, plan_sub_groups
 from raydeep.zero.flat import FlatUnit
 
 
-def _units(dtype: torch.dtype = torch.float32, partitions: int = 2, rank: int = 1) -> list[FlatUnit]:
+def _units(dtype: torch.dtype = torch.float32, partitions: int = 2, rank: int = 1,
+           shapes=((("a", (3, 5)), ("b", (7,))), (("c", (4, 3)),))) -> list[FlatUnit]:
     torch.manual_seed(0)
-    shapes = [[("a", (3, 5)), ("b", (7,))], [("c", (4, 3))]]
     return [FlatUnit(f"u{i}", [(n, nn.Parameter(torch.randn(s).to(dtype))) for n, s in named], rank, partitions,
                      group_index=i, grad_dtype=dtype, separate_local=False)
             for i, named in enumerate(shapes)]
@@ -67,7 +68,7 @@ def test_state_dict_round_trip_over_ranges_continues_bitwise():
     for seed in (7, 8):
         a.step(_grads(units_a, seed), scale=0.25)
         b.step(_grads(units_b, seed), scale=0.25)
-    for ma, mb in zip(a.masters, b.masters):
+    for ma, mb in zip(a.shards.params, b.shards.params):
         assert _same(ma.detach(), mb.detach())
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert _same(a.state[ma][key], b.state[mb][key])
@@ -90,12 +91,13 @@ def test_masters_only_state_leaves_the_optimizer_alone():
     units = _units()
     tier = _adamw(units)
     tier.step(_grads(units, 1), scale=1.0)
-    before = {k: v.clone() for k, v in tier.state[tier.masters[0]].items()}
+    first = tier.shards.params[0]
+    before = {k: v.clone() for k, v in tier.state[first].items()}
     pieces = [UnitRange(p.start, p.end, torch.full_like(p.master, 2.0)) for p in tier.state_dict().units]
     tier.load_state_dict(TierState(pieces))
     start, end, base = units[0].held_range()
     assert torch.all(units[0].local[:end - base] == 2.0)
-    assert all(_same(v, tier.state[tier.masters[0]][k]) for k, v in before.items())
+    assert all(_same(v, tier.state[first][k]) for k, v in before.items())
 
 
 def test_param_group_writes_reach_the_update():
@@ -118,9 +120,10 @@ def test_memory_accounts_masters_and_states():
     units = _units(torch.bfloat16)
     tier = _adamw(units)
     shard = sum(u.layout.shard_numel for u in units)
-    assert tier.memory() == {"master": {"cpu": 4 * shard}, "optimizer_states": {}}
+    assert tier.memory() == {"master": {"cpu": 4 * shard}, "optimizer_states": {}, "step_buffers": {}}
     tier.step(_grads(units, 1), scale=1.0)
-    assert tier.memory() == {"master": {"cpu": 4 * shard}, "optimizer_states": {"cpu": 2 * 4 * shard}}
+    assert tier.memory() == {"master": {"cpu": 4 * shard}, "optimizer_states": {"cpu": 2 * 4 * shard},
+                             "step_buffers": {"cpu": 4 * shard}}  # one sub-group: every fp32 gradient at once
     fp32 = _units(torch.float32)
     assert _adamw(fp32).memory()["master"] == {}  # in fp32 training the master is the shard itself
 
@@ -145,7 +148,79 @@ def test_engine_optimizer_is_the_tier():
     engine.step()
     memory = engine.memory_breakdown()
     numel = sum(p.numel() for p in model.parameters())
-    assert list(memory) == ["params", "grads", "master", "optimizer_states", "buffers", "total"]
+    assert list(memory) == ["params", "grads", "master", "optimizer_states", "buffers", "total", "offloaded",
+                            "step_buffers"]
+    assert memory["total"] == sum(memory[k] for k in ("params", "grads", "master", "optimizer_states", "buffers"))
+    assert memory["offloaded"] == 0
     assert memory["master"] >= 4 * numel and memory["optimizer_states"] >= 8 * numel
     with pytest.raises(ValueError, match="parameter groups"):
         engine.tier.load_state_dict(TierState(engine.tier.state_dict().units, param_groups=[{}, {}], scalars=[]))
+
+
+# --- sub-group tiling and the host tier -----------------------------------------------------------------
+BIG = ((("a", (17, 19)), ("b", (101,))), (("c", (13, 23)),))  # units cut by sub-groups of 64 and more
+
+
+def _tier(kind: str, units, sub_group_size: int = 10**9):
+    spec = resolve_optimizer("AdamW", {"lr": 1e-2, "weight_decay": 0.1})
+    make = lambda groups: build_optimizer(spec, groups, prefer_fused=True)  # noqa: E731
+    cls = HostTier if kind == "host" else LocalTier
+    return cls(units, [{}, {"weight_decay": 0.0}], make, sub_group_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,sub_group_size", [("local", 64), ("local", 200), ("host", 10**9), ("host", 128)])
+def test_tiers_and_tilings_compute_the_same_bits(dtype, kind, sub_group_size):
+    """Adam is elementwise: tiling the update into sub-groups, or running it on host masters,
+    changes where and when each element is computed, never what."""
+    ref_units, units = _units(dtype, shapes=BIG), _units(dtype, shapes=BIG)
+    ref, tier = _tier("local", ref_units), _tier(kind, units, sub_group_size)
+    for seed in range(3):
+        ref.step(_grads(ref_units, seed), scale=0.5)
+        tier.step(_grads(units, seed), scale=0.5)
+    for a, b in zip(ref_units, units):
+        assert _same(a.full, b.full)
+    whole, tiled = ref.state_dict(), tier.state_dict()
+    for p, q in zip(whole.units, tiled.units):
+        assert _same(p.master, q.master) and all(_same(p.states[k], q.states[k]) for k in p.states)
+    assert whole.scalars == tiled.scalars and whole.param_groups == tiled.param_groups
+    # The tiled state loads into the whole one and the reverse (checkpoints do not see the tiling).
+    ref.load_state_dict(tiled)
+    tier.load_state_dict(whole)
+    ref.step(_grads(ref_units, 9), scale=1.0)
+    tier.step(_grads(units, 9), scale=1.0)
+    assert all(_same(a.full, b.full) for a, b in zip(ref_units, units))
+
+
+def test_sub_group_size_bounds_the_fp32_gradients_held_at_once():
+    units = _units(torch.bfloat16, shapes=BIG)
+    shard = sum(u.layout.shard_numel for u in units)
+    assert shard > 256
+    for size in (10**9, 128, 256):
+        tier = _tier("local", _units(torch.bfloat16, shapes=BIG), size)
+        tier.step(_grads(units, 1), scale=1.0)
+        largest = max(sum(c.numel for c in sg) for sg in tier.sub_groups)
+        assert largest == min(shard, size) if size != 256 else largest <= size
+        assert tier.memory()["step_buffers"] == {"cpu": 4 * largest}, size
+
+
+def test_plan_sub_groups_cuts_aligned_and_packs_in_unit_order():
+    plan = plan_sub_groups([200, 30, 100], [0, 1, 1], 128)
+    assert [[(c.unit, c.group, c.lo, c.hi) for c in sg] for sg in plan] == [
+        [(0, 0, 0, 128)], [(0, 0, 128, 200), (1, 1, 0, 30)], [(2, 1, 0, 100)]]
+    assert [[(c.unit, c.lo, c.hi) for c in sg] for sg in plan_sub_groups([5, 3], [0, 0], 4)] == [
+        [(0, 0, 5), (1, 0, 3)]]  # below ALIGN: sub-groups of ALIGN elements
+    assert [[(c.unit, c.lo, c.hi) for c in sg] for sg in plan_sub_groups([5, 3], [0, 0], 0)] == [
+        [(0, 0, 5)], [(1, 0, 3)]]
+
+
+def test_host_tier_keeps_separate_fp32_masters_in_host_memory():
+    units = _units(torch.float32)
+    tier = _tier("host", units)
+    shard = sum(u.layout.shard_numel for u in units)
+    assert all(m.data_ptr() != u.local.data_ptr() and m.device.type == "cpu" for m, u in zip(tier.masters, units))
+    tier.step(_grads(units, 1), scale=1.0)
+    assert tier.memory()["master"] == {"cpu": 4 * shard}
+    units[0].local.fill_(3.0)
+    tier.reload_from_params([0])
+    assert torch.all(tier.masters[0] == 3.0)

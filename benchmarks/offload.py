@@ -1,0 +1,221 @@
+"""What ZeRO-Offload costs, measured against its peers in the same run.
+
+    python -m benchmarks.offload --json offload.json
+
+1. The CPU step: elements per second per core of the tier's update (gradient cast to fp32,
+   the one scale, torch's fused AdamW, the write-back to the bf16 shard) against torch's fused
+   AdamW alone on the same fp32 tensors, on one thread. Target: >= 0.9x.
+2. The actor tier's pipeline: one offload actor updating a shard in ``sub_group_size`` pieces
+   through the object store. Its step time against ``max(transfer, compute)``, where compute is
+   the actor's own CPU-step seconds and transfer is the same step with an optimizer that does
+   nothing (only the pieces' round trip). Target: <= 1.25x, which shows transfer and compute overlap.
+3. The step time of the tiny GPT on 2 gloo ranks (ZeRO-2, bf16) with the optimizer states on the
+   rank, in host memory, and in offload actors, interleaved step by step.
+
+Medians over the repetitions; the machine's other load hits every contender alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+class NoUpdate(torch.optim.Optimizer):
+    """An optimizer that changes nothing: what is left of an offloaded step is the transfer."""
+
+    def __init__(self, params, lr: float = 0.0):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        return None
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# --- 1. the CPU step -----------------------------------------------------------------------------------
+def cpu_step(numel: int, reps: int) -> dict:
+    from raydeep.tier.masters import MasterShards, plan_sub_groups
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    grad_fp32 = torch.randn(numel, generator=g)
+    grad_bf16 = grad_fp32.to(torch.bfloat16)
+    shard = torch.randn(numel, generator=g).to(torch.bfloat16)
+
+    param = nn.Parameter(shard.float())
+    fused = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    param.grad = grad_fp32
+
+    master = shard.float()
+    shards = MasterShards(plan_sub_groups([numel], [0], 10**9), [master], [{}],
+                          lambda groups: torch.optim.AdamW(groups, lr=1e-3, fused=True))
+    fused_s, tier_s = [], []
+    for _ in range(reps):  # interleaved
+        began = time.perf_counter()
+        fused.step()
+        fused_s.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        shards.step_sub_group(0, [grad_bf16], 0.5)
+        shard.copy_(master)
+        tier_s.append(time.perf_counter() - began)
+    fused_rate, tier_rate = numel / _median(fused_s), numel / _median(tier_s)
+    return {"numel": numel, "fused_adamw_elems_per_s": fused_rate, "tier_step_elems_per_s": tier_rate,
+            "ratio": tier_rate / fused_rate, "target": ">= 0.9"}
+
+
+# --- 2. the actor pipeline ---------------------------------------------------------------------------
+def actor_pipeline(numel: int, sub_group_size: int, reps: int) -> dict:
+    import functools
+
+    import ray
+
+    from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
+    from raydeep.tier.actors import ActorTier
+    from raydeep.zero.flat import FlatUnit
+
+    def tier(make) -> tuple[ActorTier, FlatUnit]:
+        unit = FlatUnit("u", [("w", nn.Parameter(torch.randn(numel).to(torch.bfloat16)))], 0, 1, 0,
+                        torch.bfloat16, False)
+        return ActorTier([unit], [{}], make, sub_group_size, {}, actors_per_rank=1, cpus_per_actor=1), unit
+
+    adamw = functools.partial(build_optimizer, resolve_optimizer("AdamW", {"lr": 1e-3}), prefer_fused=True)
+    noop = functools.partial(NoUpdate)
+    full, unit = tier(adamw)
+    empty, unit2 = tier(noop)
+    grads = [torch.randn(numel).to(torch.bfloat16)]
+    step_s, transfer_s, compute_s = [], [], []
+    for _ in range(reps + 1):
+        cpu_before = full.timings["cpu_step_s"]
+        began = time.perf_counter()
+        full.step(grads, 1.0)
+        step_s.append(time.perf_counter() - began)
+        compute_s.append(full.timings["cpu_step_s"] - cpu_before)
+        began = time.perf_counter()
+        empty.step(grads, 1.0)
+        transfer_s.append(time.perf_counter() - began)
+    full.close()
+    empty.close()
+    step, transfer, compute = _median(step_s[1:]), _median(transfer_s[1:]), _median(compute_s[1:])
+    return {"numel": numel, "sub_group_size": sub_group_size, "pieces": -(-numel // sub_group_size),
+            "step_s": step, "transfer_s": transfer, "compute_s": compute,
+            "ratio_vs_max": step / max(transfer, compute), "serial_s": transfer + compute, "target": "<= 1.25",
+            "ray_initialized": ray.is_initialized()}
+
+
+# --- 3. the tiny GPT on 2 ranks -----------------------------------------------------------------------
+TIERS = {"on the rank": None, "host memory": "host", "offload actors": "actors"}
+
+
+def _rank(rank: int, world: int, port: int, address: str, steps: int, queue) -> None:
+    import ray
+    import torch.distributed as dist
+
+    import raydeep
+    from raydeep.models import build_gpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    engines = {}
+    for name, target in TIERS.items():
+        torch.manual_seed(0)
+        zero = {"stage": 2, "reduce_bucket_size": 200_000}
+        if target:
+            zero.update(offload_optimizer={"device": "cpu"}, sub_group_size=100_000)
+        cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
+               "raydeep": {"offload_target": target or "auto", "offload_actor_cpus": 0.5}}
+        engines[name], *_ = raydeep.initialize(model=build_gpt("gpt-tiny", block_size=64), config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    times = {name: [] for name in TIERS}
+    for step in range(steps):
+        order = list(TIERS)[step % len(TIERS):] + list(TIERS)[:step % len(TIERS)]
+        for name in order:
+            x = torch.randint(0, 256, (4, 65), generator=g)
+            dist.barrier()
+            began = time.perf_counter()
+            engine = engines[name]
+            engine.backward(engine(x[:, :-1], x[:, 1:]))
+            engine.step()
+            took = torch.tensor([time.perf_counter() - began])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            times[name].append(took.item())
+    for engine in engines.values():
+        engine.destroy()
+    if rank == 0:
+        queue.put(times)
+    ray.shutdown()
+    dist.destroy_process_group()
+
+
+def gpt_offload_cost(steps: int, address: str) -> dict:
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, address, steps, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = queue.get(timeout=900)
+    for p in procs:
+        p.join(timeout=120)
+    medians = {name: _median(ts[2:]) for name, ts in times.items()}  # the first steps warm up
+    base = medians["on the rank"]
+    return {"median_step_s": medians, "vs_on_the_rank": {n: m / base for n, m in medians.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=8_000_000, help="elements of the CPU-step tensors")
+    parser.add_argument("--actor-numel", type=int, default=8_000_000)
+    parser.add_argument("--sub-group-size", type=int, default=1_000_000)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--gpt-steps", type=int, default=12)
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+
+    import ray
+
+    report = {"cpu_step": cpu_step(args.numel, args.reps)}
+    c = report["cpu_step"]
+    print(f"CPU step, 1 thread, {args.numel:,} elements: tier {c['tier_step_elems_per_s'] / 1e6:.0f} M/s, "
+          f"fused AdamW {c['fused_adamw_elems_per_s'] / 1e6:.0f} M/s: {c['ratio']:.2f}x (target >= 0.9)")
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=4, resources={"raydeep_offload": 1}, logging_level="ERROR", log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
+    try:
+        report["actor_pipeline"] = a = actor_pipeline(args.actor_numel, args.sub_group_size, args.reps)
+        print(f"actor tier, {a['numel']:,} bf16 elements in {a['pieces']} pieces: step {a['step_s'] * 1e3:.0f} ms, "
+              f"transfer alone {a['transfer_s'] * 1e3:.0f} ms, CPU step {a['compute_s'] * 1e3:.0f} ms: "
+              f"{a['ratio_vs_max']:.2f}x max(transfer, compute) (target <= 1.25; serial would be "
+              f"{a['serial_s'] / max(a['transfer_s'], a['compute_s']):.2f}x)")
+        address = ray.get_runtime_context().gcs_address
+        report["gpt_2_ranks"] = g = gpt_offload_cost(args.gpt_steps, address)
+        print("tiny GPT, 2 ranks, ZeRO-2 bf16, median step: " + ", ".join(
+            f"{n} {g['median_step_s'][n] * 1e3:.0f} ms ({g['vs_on_the_rank'][n]:.2f}x)" for n in TIERS))
+    finally:
+        if started_here:
+            ray.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Which optimizer tier a config asks for, and where offload actors may run.
+
+``offload_optimizer.device: "cpu"`` (ZeRO stages 1-3) offloads; ``raydeep.offload_target`` says
+where to: ``host`` (the rank's host memory), ``actors`` (Ray actors on the nodes that
+``raydeep.offload_resource`` marks), or ``auto``: actors when this rank is connected to a Ray
+cluster that has such a node, the host otherwise.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from raydeep.errors import ConfigError
+from raydeep.tier.base import OptimizerTier
+from raydeep.tier.local import HostTier, LocalTier
+
+logger = logging.getLogger("raydeep")
+
+
+def offload_placement(marker: str) -> dict:
+    """Ray actor options selecting the nodes ``marker`` names: a custom resource, or ``key=value``
+    for a node label.
+
+    >>> offload_placement("raydeep_offload"), offload_placement("raydeep/role=offload")
+    ({'resources': {'raydeep_offload': 0.001}}, {'label_selector': {'raydeep/role': 'offload'}})
+    """
+    from raydeep.tier.actors import RESOURCE_SHARE
+
+    if "=" in marker:
+        key, value = marker.split("=", 1)
+        return {"label_selector": {key.strip(): value.strip()}}
+    return {"resources": {marker: RESOURCE_SHARE}}
+
+
+def offload_nodes(marker: str) -> list[str]:
+    """Ids of the alive nodes ``marker`` selects ([] when this process is not connected to Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    key, _, value = marker.partition("=")
+    found = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        labels, resources = node.get("Labels") or {}, node.get("Resources") or {}
+        if (labels.get(key.strip()) == value.strip()) if value else resources.get(marker, 0) > 0:
+            found.append(node["NodeID"])
+    return found
+
+
+def select_tier(cfg, units, group_options: list[dict], make_optimizer: Callable) -> OptimizerTier:
+    """The tier for a resolved config over the units (``make_optimizer`` must pickle for actors)."""
+    zero, options = cfg.zero_optimization, cfg.raydeep
+    offload = zero.offload_optimizer
+    if offload is None or offload.device == "none" or zero.stage == 0:
+        return LocalTier(units, group_options, make_optimizer, zero.sub_group_size)
+    target = options.offload_target
+    if target != "host":
+        nodes = offload_nodes(options.offload_resource)
+        if target == "actors" and not nodes:
+            raise ConfigError("raydeep.offload_target", f"asks for offload actors, but no alive Ray node is marked "
+                              f"by raydeep.offload_resource {options.offload_resource!r}", value=target,
+                              fix="start offload nodes with ray start --resources='{\"%s\": 1}' (or --labels), or "
+                                  "set raydeep.offload_target to \"auto\" or \"host\"" % options.offload_resource)
+        target = "actors" if nodes else "host"
+    if target == "host":
+        return HostTier(units, group_options, make_optimizer, zero.sub_group_size, pin_memory=offload.pin_memory,
+                        ratio=offload.ratio)
+    from raydeep.tier.actors import ActorTier
+
+    if offload.ratio < 1.0:
+        logger.warning("offload_optimizer.ratio %s applies to the host tier; the actor tier offloads every "
+                       "sub-group", offload.ratio)
+    return ActorTier(units, group_options, make_optimizer, zero.sub_group_size,
+                     offload_placement(options.offload_resource), options.offload_actors_per_rank,
+                     options.offload_actor_cpus)
+
+
+def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:
+    """The user's optimizer class over the tier's masters with its own hyperparameters (a
+    module-level function, so a ``functools.partial`` of it pickles for offload actors)."""
+    return cls(param_groups, **defaults)
