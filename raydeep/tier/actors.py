@@ -69,6 +69,7 @@ class OffloadActor:
         self.sub_groups, self.group_options, self.make_optimizer = sub_groups, group_options, make_optimizer
         self.shards: MasterShards | None = None
         self.model_dtype = torch.float32
+        self._out: torch.Tensor | None = None
 
     def start(self, masters: list[np.ndarray], dtype_name: str) -> str:
         """Build the fp32 masters from the rank's parameters (model dtype); returns the node id."""
@@ -89,8 +90,21 @@ class OffloadActor:
         self.shards.set_hyperparameters(hyper)
         dtype = getattr(torch, grad_dtype)
         params = self.shards.step_sub_group(k, [from_wire(a, dtype) for a in grads], scale)
-        out = [to_wire(p.detach().to(self.model_dtype)) for p in params]
-        return out, time.perf_counter() - began
+        return self._parameters(params), time.perf_counter() - began
+
+    def _parameters(self, params: list[nn.Parameter]) -> list[np.ndarray]:
+        """The chunks' masters in the model dtype, written into one reused buffer (Ray copies a
+        return value into the object store before the next call runs, so reuse is safe)."""
+        if self.model_dtype == torch.float32:
+            return [to_wire(p.detach()) for p in params]
+        size = sum(p.numel() for p in params)
+        if self._out is None or self._out.numel() < size:
+            self._out = torch.empty(size, dtype=self.model_dtype)
+        out, offset = [], 0
+        for p in params:
+            out.append(to_wire(self._out[offset:offset + p.numel()].copy_(p.detach())))
+            offset += p.numel()
+        return out
 
     def export(self, ranges: dict[int, tuple[int, int]], with_optimizer: bool):
         segments = [Segment(s.unit, s.lo, s.hi, s.master.clone(), {k: v.clone() for k, v in s.states.items()})

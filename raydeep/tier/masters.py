@@ -114,6 +114,7 @@ class MasterShards:
             first += len(sg)
         self.peak_grad_bytes: dict[str, int] = {}  # fp32 gradient bytes held at once, by device
         self._grad_buffer: torch.Tensor | None = None
+        self._scale: torch.Tensor | None = None
         self._buffer_offsets = {}  # each chunk's place in the gradient buffer: its offset in its sub-group
         for sg, first in zip(sub_groups, self._first_chunk):
             offset = 0
@@ -127,9 +128,7 @@ class MasterShards:
         each multiplied by ``scale``; returns the chunks' updated masters."""
         params = self.params[self._first_chunk[k]:self._first_chunk[k] + len(self.sub_groups[k])]
         for param, grad in zip(params, grads):
-            param.grad = self._fp32_grad(param, grad)
-            if scale != 1.0:  # x * 1.0 is x: skipping it changes no bit
-                param.grad.mul_(scale)
+            param.grad = self._fp32_grad(param, grad, scale)
         held: dict[str, int] = {}
         for param in params:
             held[str(param.device)] = held.get(str(param.device), 0) + param.grad.numel() * 4
@@ -140,17 +139,31 @@ class MasterShards:
             param.grad = None
         return params
 
-    def _fp32_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as fp32 on the master's device, in a copy the optimizer may read. On the CPU the
-        copy goes into one reused buffer of the largest sub-group: a fresh allocation of that size
-        is new pages from the OS every step, whose faults cost more than the update itself."""
+    def _fp32_grad(self, param: nn.Parameter, grad: torch.Tensor, scale: float) -> torch.Tensor:
+        """``grad`` x ``scale`` in fp32 on the master's device, in a copy the optimizer may read.
+
+        On the CPU it is one pass into one reused buffer of the largest sub-group: the multiply
+        reads the 16-bit gradient and widens it in its loop (the bits of widening first, then
+        multiplying in fp32 by ``scale`` rounded to fp32), and a fresh allocation of that size
+        would be new pages from the OS every step, whose faults cost more than the update itself.
+        """
         if param.device.type != "cpu":
-            return grad.to(param.device, torch.float32, copy=True)
+            return grad.to(param.device, torch.float32, copy=True).mul_(scale)
         size = max(sum(c.numel for c in sg) for sg in self.sub_groups)
         if self._grad_buffer is None or self._grad_buffer.numel() < size:
             self._grad_buffer = torch.empty(size, dtype=torch.float32)
         start = self._buffer_offsets[id(param)]
-        return self._grad_buffer[start:start + param.numel()].copy_(grad)
+        out = self._grad_buffer[start:start + param.numel()]
+        if scale == 1.0:  # x * 1.0 is x: the copy alone has the same bits
+            return out.copy_(grad)
+        return torch.mul(grad, self._scale_tensor(scale), out=out)
+
+    def _scale_tensor(self, scale: float) -> torch.Tensor:
+        # A one-element fp32 tensor, not a 0-dim one: 0-dim tensors do not take part in type
+        # promotion, so a 16-bit gradient times one would be computed in 16 bits.
+        if self._scale is None or self._scale.item() != float(torch.tensor(scale, dtype=torch.float32)):
+            self._scale = torch.tensor([scale], dtype=torch.float32)
+        return self._scale
 
     def set_hyperparameters(self, groups: list[dict]) -> None:
         """Write the rank's current hyperparameters (one dict per option group, as the LR

@@ -24,6 +24,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from tests.dist.harness import run_ranks
 
@@ -62,7 +63,7 @@ def _placement_groups() -> list:
     return [pg for pg in list_placement_groups(limit=1000) if pg.state != "REMOVED"]
 
 
-def _train(cfg: dict) -> dict:
+def _train(cfg: dict, save_to: str | None = None) -> dict:
     import raydeep
     from tests.dist.checkpoint_workloads import full_params
     from tests.dist.workloads import run_steps, tiny_gpt
@@ -72,11 +73,25 @@ def _train(cfg: dict) -> dict:
     out = {"losses": losses, "params": full_params(engine), "memory": engine.memory_breakdown(),
            "tier": type(engine.tier).__name__, "report": engine.tier.report(),
            "numel": sum(p.numel() for p in engine.module.parameters())}
+    if save_to:
+        engine.save_checkpoint(save_to)
     engine.destroy()
     return out
 
 
-def _parity(address: str, stages: list[int]) -> dict:
+ACTORS = {"offload_target": "actors", "offload_actors_per_rank": 2, "offload_actor_cpus": 0.5}
+
+
+def _stage2_config(offload: bool, gas: int) -> dict:
+    from tests.dist.workloads import config
+
+    cfg = config(2, gas, 4, 1.0, raydeep=ACTORS, bf16={"enabled": True})  # 8 samples a step: gas 1 x 2 ranks, gas 2 x 1
+    if offload:
+        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=4096)
+    return cfg
+
+
+def _parity(address: str, stages: list[int], checkpoints: str | None = None) -> dict:
     from tests.dist.workloads import config
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
@@ -84,9 +99,7 @@ def _parity(address: str, stages: list[int]) -> dict:
         out = {}
         for stage in stages:
             for precision in ("fp32", "bf16"):
-                for name, options in (("none", {}), ("actors", {"offload_target": "actors",
-                                                                "offload_actors_per_rank": 2,
-                                                                "offload_actor_cpus": 0.5})):
+                for name, options in (("none", {}), ("actors", ACTORS)):
                     cfg = config(stage, 2, 2, 1.0, raydeep=options)
                     if name == "actors":
                         cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=4096)
@@ -96,14 +109,22 @@ def _parity(address: str, stages: list[int]) -> dict:
         auto = config(2, 2, 2, 1.0, raydeep={"offload_resource": "no_such_marker"})
         auto["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         out["auto without marked nodes"] = _train(auto)["tier"]
+        if checkpoints:  # world 2 saves with and without offload actors, for the cross-load test
+            for name, offload in (("actors", True), ("none", False)):
+                _train(_stage2_config(offload, gas=1), save_to=f"{checkpoints}/{name}")
         return out
     finally:
         ray.shutdown()
 
 
 @pytest.fixture(scope="module")
-def parity(cluster) -> dict:
-    return run_ranks(_parity, 2, cluster[0].address, [1, 2, 3], fresh=True)[0]
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("offload-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def parity(cluster, checkpoints) -> dict:
+    return run_ranks(_parity, 2, cluster[0].address, [1, 2, 3], str(checkpoints), fresh=True)[0]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -137,6 +158,37 @@ def test_rank_memory_drops_by_the_masters_and_optimizer_states(parity, stage):
     assert run["total"] == base["total"] - moved and run["offloaded"] == moved
     print(f"\nstage {stage} bf16: rank memory {base['total']} -> {run['total']} bytes "
           f"(12 psi/N = {12 * psi_over_n:.0f}; offloaded {run['offloaded']})")
+
+
+def _cross_load(address: str, checkpoints: str) -> dict:
+    """World 1 loads each world-2 checkpoint into the other tier and trains one more step."""
+    from tests.dist.checkpoint_workloads import full_params
+    from tests.dist.workloads import run_steps, tiny_gpt
+
+    import raydeep
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        out = {}
+        for saved, loader in (("actors", "none"), ("none", "actors"), ("none", "none")):
+            engine, *_ = raydeep.initialize(model=tiny_gpt(), config=_stage2_config(loader == "actors", gas=2))
+            engine.load_checkpoint(f"{checkpoints}/{saved}")
+            losses = run_steps(engine, 4, 8, skip=3)
+            out[(saved, loader)] = {"losses": losses, "params": full_params(engine), "tier": type(engine.tier).__name__}
+            engine.destroy()
+        return out
+    finally:
+        ray.shutdown()
+
+
+def test_checkpoints_cross_load_between_actors_and_none_at_another_world_size(parity, cluster, checkpoints):
+    results = run_ranks(_cross_load, 1, cluster[0].address, str(checkpoints), fresh=True)[0]
+    reference = results[("none", "none")]
+    assert results[("none", "actors")]["tier"] == "ActorTier" and reference["tier"] == "LocalTier"
+    for pair in (("actors", "none"), ("none", "actors")):
+        assert results[pair]["losses"] == reference["losses"], pair
+        assert all(torch.equal(results[pair]["params"][k], v) for k, v in reference["params"].items()), pair
+    assert _alive_offload_actors() == []
 
 
 # --- through raydeep train ----------------------------------------------------------------------

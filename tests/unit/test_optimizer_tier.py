@@ -224,3 +224,38 @@ def test_host_tier_keeps_separate_fp32_masters_in_host_memory():
     units[0].local.fill_(3.0)
     tier.reload_from_params([0])
     assert torch.all(tier.masters[0] == 3.0)
+
+
+def test_offload_with_a_client_optimizer_follows_deepspeeds_flag():
+    """DeepSpeed refuses ZeRO-Offload with a client optimizer unless zero_force_ds_cpu_optimizer
+    is false; then the client's class runs on the host masters."""
+    from raydeep.errors import ConfigError
+
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+              "raydeep": {"offload_target": "host", "empty_cache_every": 3}}
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="zero_force_ds_cpu_optimizer"):
+        raydeep.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    engine, *_ = raydeep.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                    config={**config, "zero_force_ds_cpu_optimizer": False})
+    assert isinstance(engine.tier, HostTier) and engine.tier.optimizer_name == "SGD"
+    assert engine.settings.empty_cache_every == 3
+
+
+def test_actors_without_a_ray_cluster_is_a_config_error_naming_the_key():
+    import ray
+
+    from raydeep.errors import ConfigError
+
+    assert not ray.is_initialized()
+    with pytest.raises(ConfigError, match="raydeep.offload_target") as info:
+        raydeep.initialize(model=nn.Linear(4, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "raydeep": {"offload_target": "actors"}})
+    assert "raydeep_offload" in str(info.value)
+    # auto, outside a Ray cluster: the host tier
+    engine, *_ = raydeep.initialize(model=nn.Linear(4, 2), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert isinstance(engine.tier, HostTier)
