@@ -113,13 +113,24 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats |
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
-               async_op: bool = False) -> Pending:
-    """Concatenate every rank's equal-size ``input`` into ``output``."""
+               async_op: bool = False, label: str = "all_gather") -> Pending:
+    """Concatenate every rank's equal-size ``input`` into ``output`` (counted under ``label``)."""
     if world_size(group) == 1:
         output.copy_(input)
-        return Pending(None, None, "all_gather")
-    return _run("all_gather", output.numel() * output.element_size(), stats, async_op,
+        return Pending(None, None, label)
+    return _run(label, output.numel() * output.element_size(), stats, async_op,
                 lambda a: _ALL_GATHER(output, input, group=group, async_op=a))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
+               label: str = "all_to_all") -> None:
+    """Send chunk ``j`` of ``input`` (split evenly along dim 0) to rank ``j``; chunk ``i`` of
+    ``output`` is what rank ``i`` sent here. Counted as ``input``'s bytes."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return
+    _run(label, input.numel() * input.element_size(), stats, False,
+         lambda a: dist.all_to_all_single(output, input, group=group, async_op=a))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None, group=None) -> None:

@@ -36,6 +36,9 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 EXTRA_FILE = "extra.safetensors"
 MASTER = "fp32"
+# Prefix of the tensors in a rank file that only that rank of that world size reads back (the
+# error feedback of compressed communication); they are not pieces of any parameter.
+RANK_LOCAL = "rank_local/"
 
 
 def rank_file(rank: int, world_size: int) -> str:

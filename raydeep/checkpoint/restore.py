@@ -14,7 +14,7 @@ import torch
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.reader import CheckpointReader
 from raydeep.checkpoint.snapshot import held_range, pieces_in, restore_rng
-from raydeep.errors import CheckpointError
+from raydeep.errors import CheckpointError, CorruptCheckpointError
 from raydeep.tier import TierState, UnitRange
 
 logger = logging.getLogger("raydeep")
@@ -49,7 +49,26 @@ def read_shards(engine, reader: CheckpointReader, with_optimizer: bool, strict: 
     units = [_read_unit(unit, reader, with_optimizer) for unit in engine.strategy.units]
     if not with_optimizer:
         return TierState(units)
-    return _optimizer_state(engine, reader.manifest, units)
+    state = _optimizer_state(engine, reader.manifest, units)
+    state.rank_local, state.rank_local_note = _read_rank_local(engine, reader)
+    return state
+
+
+def _read_rank_local(engine, reader: CheckpointReader) -> tuple[dict | None, str]:
+    """This rank's own state from its own file, when the checkpoint was written by as many ranks."""
+    names = reader.manifest.get("rank_local") or []
+    if not names:
+        return None, ""
+    written_by = reader.manifest["world_size"]
+    if written_by != engine.world_size:
+        return None, (f"the checkpoint was written by {written_by} ranks and this run has {engine.world_size}; "
+                      "the error buffers are per rank, so they start again from zero")
+    tensors = reader.file(fmt.rank_file(engine.rank, engine.world_size))
+    missing = [n for n in names if fmt.RANK_LOCAL + n not in tensors]
+    if missing:
+        raise CorruptCheckpointError(f"{reader.path}: {fmt.rank_file(engine.rank, engine.world_size)} lacks its "
+                                     f"rank-local tensors {missing[:3]}")
+    return {n: tensors[fmt.RANK_LOCAL + n] for n in names}, ""
 
 
 def finish(engine, reader: CheckpointReader, state: TierState, with_optimizer: bool,
@@ -63,6 +82,7 @@ def finish(engine, reader: CheckpointReader, state: TierState, with_optimizer: b
         logger.warning("checkpoint optimizer %s differs from this run's %s: loading its states anyway",
                        manifest["optimizer"]["class"], engine.tier.optimizer_name)
     engine.tier.load_state_dict(state if with_optimizer else state.masters_only())
+    engine.tier.load_rank_state(state.rank_local if with_optimizer else None, state.rank_local_note)
     engine.strategy.publish()  # model-dtype shards -> full parameters
     _load_extra(engine, reader)
     client = dict(manifest.get("client_state", {}))

@@ -29,11 +29,15 @@ class RankSnapshot:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
     packed: fmt.PackedFile | None = None  # views of the live states, until ``copy_tensors``
+    rank_local: dict[str, torch.Tensor] = field(default_factory=dict)  # the tier's rank_state, as views
 
     def copy_tensors(self) -> None:
         """Copy the states the snapshot points at (once). Until then they must not change."""
         if self.packed is not None:
             self.tensors, self.packed = self.packed.tensors(), None
+            self.tensors.update({fmt.RANK_LOCAL + name: t.detach().to("cpu", copy=True)
+                                 for name, t in self.rank_local.items()})
+            self.rank_local = {}
 
 
 def held_range(unit) -> tuple[int, int, int]:
@@ -80,6 +84,7 @@ def take(engine, client_state: dict | None, static: dict | None = None) -> RankS
         packed.add_run([(slot.name, s - slot.offset, e - slot.offset)
                         for slot, s, e in pieces_in(unit, piece.start, piece.end)], by_kind)
     snap.packed, snap.pieces = packed, packed.pieces
+    snap.rank_local = engine.tier.rank_state()
     if engine.rank == 0:
         snap.manifest = {**(static if static is not None else static_state(engine)), **_dynamic_state(engine, state)}
         snap.extra = _extra_tensors(engine, client_state or {})
@@ -113,6 +118,7 @@ def _dynamic_state(engine, state) -> dict:
                       "state_dtypes": {k: fmt.dtype_name(d) for k, d in state.state_dtypes.items()},
                       "scalars": state.scalars},
         "param_groups": state.param_groups, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
+        "rank_local": sorted(engine.tier.rank_state()),  # names in every rank's file (error feedback)
         "loss_scaler": _jsonable(scaler, "loss scaler state"),
     }
 

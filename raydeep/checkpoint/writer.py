@@ -116,7 +116,7 @@ def new_manifest(tag: str, params: dict[str, dict], files: dict[str, dict], *, w
                  stage: int | None = None, precision: str = "fp32", counters: dict | None = None,
                  optimizer: dict | None = None, param_groups: list | None = None, lr_scheduler=None,
                  loss_scaler=None, rng: list | None = None, client_state: dict | None = None,
-                 config: dict | None = None, source: str = "raydeep") -> dict:
+                 config: dict | None = None, source: str = "raydeep", rank_local: list | None = None) -> dict:
     """Every manifest field in one place, with the defaults a converted checkpoint gets."""
     return {
         "format": fmt.FORMAT, "version": fmt.VERSION, "tag": tag, "source": source,
@@ -127,6 +127,7 @@ def new_manifest(tag: str, params: dict[str, dict], files: dict[str, dict], *, w
         "param_groups": param_groups or [],
         "lr_scheduler": lr_scheduler, "loss_scaler": loss_scaler, "rng": rng or [],
         "client_state": client_state or {}, "config": config, "files": files,
+        "rank_local": rank_local or [],  # tensor names each rank file holds under fmt.RANK_LOCAL
     }
 
 

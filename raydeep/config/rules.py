@@ -96,14 +96,16 @@ def _activation_checkpointing_rules(cfg: RaydeepConfig, errors: list, warnings: 
 def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     if cfg.optimizer is None:
         return
-    from raydeep.optim.optimizers import needs_untested_flag, resolve_optimizer
+    from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, needs_untested_flag, resolve_optimizer
 
     try:
-        # Refuses the compressed-communication family (1-bit Adam, 0/1 Adam, 1-bit LAMB) too.
+        # Refuses 1-bit LAMB (not built) too.
         spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
     except ValueError as exc:
         errors.append(_as_config_error(exc, "optimizer.type", cfg.optimizer.type))
         return
+    if spec.name in ONEBIT_OPTIMIZERS:
+        _compressed_optimizer_rules(cfg, spec, errors, warnings)
     lr = cfg.optimizer.params.get("lr")
     if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr <= 0:
         errors.append(ConfigError("optimizer.params.lr", "must be a positive learning rate", value=lr,
@@ -112,6 +114,25 @@ def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
         errors.append(ConfigError("zero_allow_untested_optimizer", "You are using an untested ZeRO Optimizer. Please "
                                   'add <"zero_allow_untested_optimizer": true> in the configuration file to use it.',
                                   value=False, fix="set zero_allow_untested_optimizer to true"))
+
+
+def _compressed_optimizer_rules(cfg: RaydeepConfig, spec, errors: list, warnings: list) -> None:
+    """DeepSpeed's rules for 1-bit Adam and 0/1 Adam, and what raydeep substitutes."""
+    display = {"onebitadam": "1bit-Adam", "zerooneadam": "0/1 Adam"}[spec.name]
+    if cfg.zero_optimization.stage >= 1:
+        errors.append(ConfigError("zero_optimization.stage", f"{display} is not compatible with ZeRO: it averages "
+                                  "full momentum (or gradient) tensors itself, which ZeRO shards",
+                                  value=cfg.zero_optimization.stage, fix="set zero_optimization.stage to 0"))
+    if cfg.precision != "fp16":
+        warnings.append(f"Currently the convergence of {display} is only verified under FP16 (this config trains in "
+                        f"{cfg.precision})")
+    backend = spec.kwargs.get("comm_backend_name")
+    if backend is not None and backend != "nccl":
+        warnings.append(f"optimizer.params.comm_backend_name {backend!r}: raydeep runs the compressed all-reduce over "
+                        "the process group's own backend (NCCL on GPUs, gloo on CPUs) with torch.distributed")
+    if spec.kwargs.get("cuda_aware"):
+        warnings.append("optimizer.params.cuda_aware has no effect: it configured DeepSpeed's MPI backend, which "
+                        "raydeep does not use")
 
 
 def _scheduler_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:

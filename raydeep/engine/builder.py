@@ -16,6 +16,7 @@ import functools
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from raydeep import comm
@@ -23,7 +24,7 @@ from raydeep.config import RaydeepConfig
 from raydeep.errors import ConfigError
 from raydeep.engine.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
-from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
+from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import SCHEDULER_NAMES, build_scheduler
 from raydeep.precision.loss_scaler import build_loss_scaler
 from raydeep.tier import OptimizerTier
@@ -52,7 +53,7 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     groups = _param_groups(model, model_parameters)
     units, extra = _build_units(model, groups, cfg, rank, world, dtype)
     strategy = _build_strategy(stage, units, cfg, world, dtype, stats, extra)
-    tier = _build_tier(cfg, groups, units, optimizer)
+    tier = _build_tier(cfg, groups, units, optimizer, stats)
     sched = _build_scheduler(cfg, tier, lr_scheduler)
     scaler = build_loss_scaler(cfg.fp16.model_dump() if cfg.fp16.enabled else None, stage, rank=rank)
     stats.reset()
@@ -195,7 +196,7 @@ def _build_strategy(stage, units, cfg, world, dtype, stats, extra):
     return {0: Stage0, 1: Stage1, 2: Stage2}[stage](units, reduce, stats)
 
 
-def _build_tier(cfg, groups, units, client_optimizer) -> OptimizerTier:
+def _build_tier(cfg, groups, units, client_optimizer, stats) -> OptimizerTier:
     """The optimizer tier over the units (``raydeep.tier.select``); the torch optimizer comes from
     the client or the config, through a factory that pickles (offload actors build it too)."""
     offload = cfg.zero_optimization.offload_optimizer
@@ -215,8 +216,26 @@ def _build_tier(cfg, groups, units, client_optimizer) -> OptimizerTier:
         raise ValueError("no optimizer: add an \"optimizer\" section to the config or pass optimizer=")
     else:
         spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
+        if spec.name in ONEBIT_OPTIMIZERS:
+            return _compressed_tier(cfg, spec, groups, units, stats)
         make = functools.partial(build_optimizer, spec, prefer_fused=True)
     return select_tier(cfg, units, [opts for opts, _ in groups], make)
+
+
+def _compressed_tier(cfg, spec, groups, units, stats) -> OptimizerTier:
+    """1-bit Adam or 0/1 Adam: the tier that takes over gradient communication (stage 0; the
+    config rules refuse ZeRO)."""
+    from raydeep.compression.allreduce import CompressedAllReduce
+    from raydeep.compression.tier import CompressedTier
+
+    kwargs = dict(spec.kwargs)
+    backend = kwargs.get("comm_backend_name")
+    ours = dist.get_backend() if dist.is_initialized() else "gloo"
+    if backend is not None and backend != ours and comm.rank() == 0:
+        logger.warning("optimizer.params.comm_backend_name %r: the compressed all-reduce runs over this process "
+                       "group's backend, %s", backend, ours)
+    return CompressedTier(units, [opts for opts, _ in groups], spec.cls, kwargs, CompressedAllReduce(stats),
+                          cfg.zero_optimization.sub_group_size)
 
 
 def _build_scheduler(cfg, tier: OptimizerTier, client_scheduler):

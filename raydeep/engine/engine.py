@@ -70,6 +70,7 @@ class Engine(nn.Module):
         self.checkpointer = Checkpointer(self)
         strategy.before_master_update = self.checkpointer.fence
         strategy.params_overwritten = tier.reload_from_params
+        strategy.skip_reduction = tier.communicates_gradients
         self._global_grad_norm: float | None = None
         self._step_applied = False
 
@@ -103,12 +104,16 @@ class Engine(nn.Module):
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         self.checkpointer.fence()  # an asynchronous save copies the states before they change
         scale = self.loss_scaler.loss_scale
+        # In a compressed stage each rank holds its own gradients: the decisions below must still
+        # be the same on every rank (a rank that skips would leave the others waiting in the
+        # optimizer's all-reduce), so they are taken from one all-reduced number.
+        own_grads = self.tier.communicates_gradients()
         if self.settings.compute_grad_norm:
-            total_norm = self._global_norm()
+            total_norm = self._global_norm(own_grads)
             overflow = self.settings.skip_nonfinite and not math.isfinite(total_norm)
         else:  # no norm to read the overflow from: scan the gradients, as DeepSpeed does
             total_norm = None
-            overflow = self.settings.skip_nonfinite and self._any_rank_overflowed()
+            overflow = self.settings.skip_nonfinite and self._any_rank_overflowed(own_grads)
         # The scaler first, as in DeepSpeed: at the minimum scale it raises before any counter moves.
         self.loss_scaler.update_scale(overflow)
         if overflow:
@@ -131,16 +136,21 @@ class Engine(nn.Module):
         self.global_samples += self.settings.train_batch_size
         self._report_progress()
 
-    def _any_rank_overflowed(self) -> bool:
+    def _any_rank_overflowed(self, own_grads: bool = False) -> bool:
         local = has_overflow([unit.grad for unit in self.strategy.units])
-        if self.strategy.sharded_grads:
+        if self.strategy.sharded_grads or own_grads:
             return comm.all_reduce_scalar(float(local), "max", self.stats) > 0
         return local
 
-    def _global_norm(self) -> float:
+    def _global_norm(self, own_grads: bool = False) -> float:
+        """The gradient norm every rank clips with. With each rank's own gradients (a compressed
+        stage) it is the largest rank's norm: DeepSpeed clipped each rank by its own, which can
+        differ; the largest keeps every rank within the clip and the ranks in agreement."""
         sq = self.strategy.grad_sq_norm()
         if self.strategy.sharded_grads:
             sq = comm.all_reduce_scalar(sq, "sum", self.stats)
+        elif own_grads:  # non-finite as +inf: a NaN may lose a MAX comparison
+            sq = comm.all_reduce_scalar(sq if math.isfinite(sq) else math.inf, "max", self.stats)
         return math.sqrt(sq) if math.isfinite(sq) else float("nan")
 
     def train_batch(self, data_iter) -> torch.Tensor:

@@ -9,10 +9,9 @@ Name rules (DeepSpeed's ``DeepSpeedConfig`` + ``engine._configure_basic_optimize
 
 * the type is lower-cased only if the lower-cased name is one of DeepSpeed's own names
   (``adagrad, adam, adamw, lamb, lion, muadam, muadamw, musgd, muon``) or of the
-  compressed-communication family ``onebitadam, zerooneadam, onebitlamb``. That family needs
-  compressed communication, which raydeep does not build yet: ``resolve_optimizer`` refuses it
-  with the optimizer to use instead, and :func:`resolve_compressed_optimizer` keeps validating
-  its params for the runtime that will build it;
+  compressed-communication family ``onebitadam, zerooneadam, onebitlamb`` (DeepSpeed releases
+  before 0.19.8 had them). 1-bit Adam and 0/1 Adam build ``raydeep.compression``'s optimizers
+  (stage 0 only, as in DeepSpeed); 1-bit LAMB is refused with the optimizer to use instead;
 * anything else is looked up case-sensitively as ``torch.optim.<type>`` (``"SGD"`` works,
   ``"sgd"`` does not).
 
@@ -59,11 +58,11 @@ DEEPSPEED_OPTIMIZERS: tuple[str, ...] = (
 _UNSUPPORTED_DEEPSPEED = frozenset({"muadam", "muadamw", "musgd", "muon"})
 
 # Documented defaults of the compressed-communication optimizers (older DeepSpeed releases).
-# Nothing builds them yet; resolve_compressed_optimizer validates their params against these.
+# ``comm_backend_name`` None: the process group's own backend (DeepSpeed's default was "nccl").
 _ONEBIT_COMMON: dict[str, Any] = {
     "lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
     "eps_inside_sqrt": False, "weight_decay": 0.0, "amsgrad": False,
-    "cuda_aware": False, "comm_backend_name": "nccl",
+    "cuda_aware": False, "comm_backend_name": None,
 }
 ONEBIT_OPTIMIZERS: dict[str, dict[str, Any]] = {
     "onebitadam": {**_ONEBIT_COMMON, "freeze_step": 100000},
@@ -78,7 +77,7 @@ ONEBIT_OPTIMIZERS: dict[str, dict[str, Any]] = {
 }
 _COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 # What to use instead of each compressed-communication optimizer: the same update, uncompressed.
-_UNCOMPRESSED = {"onebitadam": "Adam", "zerooneadam": "Adam", "onebitlamb": "Lamb"}
+_UNCOMPRESSED = {"onebitlamb": "Lamb"}
 
 # Canonical spellings offered in did-you-mean suggestions and fixes.
 _DISPLAY_NAMES: dict[str, str] = {
@@ -342,21 +341,25 @@ def _resolve_onebit(name: str, params: dict[str, Any]) -> OptimizerSpec:
         raise ConfigError("optimizer.params.amsgrad", f"{display} does not support the AMSGrad variant",
                           value=params["amsgrad"], fix="remove the key or set it to false")
     backend = params.get("comm_backend_name", defaults["comm_backend_name"])
-    if backend not in _COMM_BACKENDS:
+    if backend is not None and backend not in _COMM_BACKENDS:
         raise ConfigError("optimizer.params.comm_backend_name", f"unknown backend for {display}",
                           value=backend, fix="use one of " + ", ".join(_COMM_BACKENDS))
-    return OptimizerSpec(name, None, _normalise({**defaults, **params}))
+    return OptimizerSpec(name, _compressed_class(name), _normalise({**defaults, **params}))
+
+
+def _compressed_class(name: str) -> type | None:
+    from raydeep.compression.optimizers import OnebitAdam, ZeroOneAdam
+
+    return {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam}.get(name)
 
 
 def _compressed_not_built(type_name: str, name: str) -> ConfigError:
     instead = _UNCOMPRESSED[name]
-    untested = ' with "zero_allow_untested_optimizer": true' if instead == "Lamb" else ""
     return ConfigError(
-        "optimizer.type", f"{type_name} needs compressed communication, which raydeep does not implement yet",
+        "optimizer.type", f"{type_name} is not built in raydeep (1-bit Adam and 0/1 Adam are)",
         value=type_name,
-        fix=f'use "{instead}", the same optimizer without compression (and drop the compression params such as '
-        "freeze_step, cuda_aware and comm_backend_name); to cut memory per rank, set zero_optimization.stage "
-        f"to 1, 2 or 3{untested}: ZeRO shards the optimizer states across ranks")
+        fix=f'use "OneBitAdam" or "ZeroOneAdam" for compressed communication, or "{instead}" for the same update '
+        "uncompressed (drop freeze_step, the coefficient params, cuda_aware and comm_backend_name)")
 
 
 def _resolve_class(type_name: str) -> tuple[str, type | None]:
@@ -395,13 +398,15 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
         raise ConfigError("optimizer.type", "must be a non-empty string", value=type_name,
                           fix='set it to an optimizer name such as "AdamW"')
     name, cls = _resolve_class(type_name)
-    if name in ONEBIT_OPTIMIZERS:
+    if name in _UNCOMPRESSED:
         raise _compressed_not_built(type_name, name)
     params = dict(params or {})
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm", _MAX_GRAD_NORM_MESSAGE,
                           value=params["max_grad_norm"],
                           fix='remove it and set "gradient_clipping" at the top level of the config')
+    if name in ONEBIT_OPTIMIZERS:
+        return _resolve_onebit(name, params)
     if name in ("adam", "adamw"):
         return _resolve_adam(name, params)
     if name in ("adagrad", "lion"):
@@ -418,13 +423,12 @@ def resolve_compressed_optimizer(type_name: str, params: Mapping[str, Any] | Non
     """Validate a compressed-communication optimizer block (1-bit Adam, 0/1 Adam, 1-bit LAMB) against
     its documented keywords and defaults, for the runtime that will build it.
 
-    A ds_config naming one of these is refused by :func:`resolve_optimizer` (and so at load):
-    raydeep does not implement compressed communication yet.
+    Its ``cls`` is None for 1-bit LAMB, which raydeep does not build.
 
     Example:
         >>> spec = resolve_compressed_optimizer("OneBitAdam", {"freeze_step": 400})
-        >>> spec.name, spec.cls, spec.kwargs["freeze_step"], spec.kwargs["comm_backend_name"]
-        ('onebitadam', None, 400, 'nccl')
+        >>> spec.name, spec.cls.__name__, spec.kwargs["freeze_step"], spec.kwargs["comm_backend_name"]
+        ('onebitadam', 'OnebitAdam', 400, None)
     """
     name = type_name.lower() if isinstance(type_name, str) else type_name
     if name not in ONEBIT_OPTIMIZERS:
@@ -468,8 +472,7 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Iterable[Any],
         True
     """
     if spec.cls is None:
-        raise NotImplementedError(
-            f"{spec.name} needs compressed communication, which raydeep does not implement yet")
+        raise NotImplementedError(f"{spec.name} is not built in raydeep")
     # torch writes defaults into group dicts, so each attempt gets fresh copies.
     groups = list(param_groups)
     fresh = lambda: [dict(g) if isinstance(g, Mapping) else g for g in groups]  # noqa: E731

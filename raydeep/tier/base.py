@@ -46,6 +46,8 @@ class TierState:
     ``{"value", "tensor": True, "dtype", "on_param_device"}`` or ``{"value", "tensor": False}``.
     ``param_groups`` are the hyperparameters per group (no ``params``; tuples as lists), or
     ``None`` to keep this run's. ``state_dtypes`` names each per-element state kind, in order.
+    ``rank_local`` is what the checkpoint holds of this rank's ``rank_state`` (None: nothing for
+    this rank, and ``rank_local_note`` says why when the checkpoint had some).
     """
 
     units: list[UnitRange]
@@ -53,6 +55,8 @@ class TierState:
     state_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     param_groups: list[dict] | None = None
     scalars: list[dict[str, dict]] | None = None
+    rank_local: dict[str, torch.Tensor] | None = None
+    rank_local_note: str = ""
 
     def masters_only(self) -> "TierState":
         return TierState([replace(u, states={}) for u in self.units])
@@ -159,6 +163,30 @@ class OptimizerTier(ABC):
         fp32 gradient and staging bytes held at once during the last step) and then by place: a
         device such as ``"cuda:0"`` or ``"cpu"`` in this process, or ``"actor:<node id>"``. A master
         that is the model's own storage counts zero."""
+
+    # --- compressed communication (``raydeep.compression``); other tiers keep these defaults -------
+    def communicates_gradients(self) -> bool:
+        """True when the next ``step`` takes each rank's own, un-reduced gradients and averages
+        what it needs itself: the stage-0 strategy then skips its all-reduce."""
+        return False
+
+    @property
+    def phase(self) -> str | None:
+        """The optimizer's phase (``warm-up`` or ``compressed``), None where it has none."""
+        return None
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """State that belongs to this rank at this world size only (error feedback), by name:
+        checkpoints keep it in the rank's own file. Views of live state."""
+        return {}
+
+    def load_rank_state(self, tensors: dict[str, torch.Tensor] | None, why_not: str = "") -> None:
+        """Take back what ``rank_state`` gave, or None when the checkpoint has none for this
+        rank (``why_not`` says why: another world size, say)."""
+
+    def compression_report(self) -> dict | None:
+        """What ``summary.json``'s ``compression`` section shows (None: no compression)."""
+        return None
 
     def close(self) -> None:
         """Release what the tier holds outside this process (offload actors); idempotent."""

@@ -63,6 +63,9 @@ class ZeroStrategy:
         # Called with the unit indices whose parameters were overwritten outside the step, so the
         # optimizer tier re-reads its masters from them (the engine points it at the tier).
         self.params_overwritten = lambda indices: None
+        # Asked before each backward: True when the optimizer tier averages the gradients itself
+        # this step (compressed communication), so stage 0 leaves each rank its own.
+        self.skip_reduction = lambda: False
         self._unit_of = {}
         # Gradients a unit waits for before it is reduced (computed once: the hooks are a hot path).
         self._expected = [sum(1 for p in unit.params if p.requires_grad) for unit in units]
@@ -157,6 +160,9 @@ class Stage0(ZeroStrategy):
     def __init__(self, units, reduce, stats):
         super().__init__(units, reduce, stats)
         _attach_grad_views(units, [u.grad for u in units])
+
+    def _reduce_this_micro_step(self, boundary: bool) -> bool:
+        return boundary and not self.skip_reduction()
 
     def begin_backward(self, boundary: bool) -> None:
         _attach_grad_views(self.units, [u.grad for u in self.units])

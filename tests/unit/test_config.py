@@ -369,7 +369,10 @@ ADAM = {"type": "AdamW", "params": {"lr": 1e-3}}
     ({"activation_checkpointing": {"contiguous_memory_optimization": True, "partition_activations": True}},
      "activation_checkpointing.number_checkpoints", "Must specify the number of layers"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}, "fp16": {"enabled": True},
-      "zero_optimization": {"stage": 1}}, "optimizer.type", "needs compressed communication"),
+      "zero_optimization": {"stage": 1}}, "zero_optimization.stage", "1bit-Adam is not compatible with ZeRO"),
+    ({"optimizer": {"type": "ZeroOneAdam", "params": {}}, "zero_optimization": {"stage": 2}},
+     "zero_optimization.stage", "0/1 Adam is not compatible with ZeRO"),
+    ({"optimizer": {"type": "OneBitLamb", "params": {}}}, "optimizer.type", "OneBitLamb is not built"),
     ({"optimizer": ADAM, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
      "scheduler.params.total_num_steps", "required"),
     ({"optimizer": ADAM, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}},
@@ -406,12 +409,22 @@ def test_several_problems_are_reported_together():
     assert len(info.value.errors) == 2
 
 
-@pytest.mark.parametrize("name, instead", [("OneBitAdam", "Adam"), ("ZeroOneAdam", "Adam"), ("OneBitLamb", "Lamb")])
-def test_compressed_communication_optimizers_are_refused_at_load(name, instead):
-    err = error_of({**BASE, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0},
-                    "optimizer": {"type": name, "params": {"lr": 1e-3, "freeze_step": 100}}})
-    assert err.key == "optimizer.type" and err.value == name
-    assert "compressed communication" in str(err) and f'use "{instead}"' in err.fix
+@pytest.mark.parametrize("name, params", [("OneBitAdam", {"freeze_step": 100}), ("ZeroOneAdam", {"var_freeze_step": 100})])
+def test_compressed_communication_optimizers_load_at_stage_0_and_warn_outside_fp16(name, params, caplog):
+    cfg = load({**BASE, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0},
+                "optimizer": {"type": name, "params": {"lr": 1e-3, **params}}})
+    assert cfg.optimizer.type == name
+    with caplog.at_level("WARNING", logger="raydeep"):
+        load({**BASE, "optimizer": {"type": name, "params": {"lr": 1e-3, "comm_backend_name": "mpi",
+                                                             "cuda_aware": True}}})
+    text = caplog.text
+    assert "only verified under FP16" in text and "comm_backend_name 'mpi'" in text and "cuda_aware" in text
+
+
+def test_onebit_lamb_is_refused_at_load_naming_what_to_use():
+    err = error_of({**BASE, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 100}}})
+    assert err.key == "optimizer.type" and err.value == "OneBitLamb"
+    assert "not built" in str(err) and '"OneBitAdam"' in err.fix and '"Lamb"' in err.fix
 
 
 def test_adam_means_adamw_unless_adam_w_mode_false():

@@ -49,12 +49,10 @@ class Entry:
     optimizer: str | None = None
     scheduler: str | None = None
     extra: dict = field(default_factory=dict)  # dotted attribute path -> expected value
-    refused: str | None = None  # the key a refusal names when the file is loaded as it is
-    fixes: tuple[str, ...] = ()  # overrides that replace the refused setting
 
     @property
     def overrides(self) -> list[str]:
-        return [*self.sets, *self.fixes]
+        return list(self.sets)
 
 
 CORPUS: dict[str, Entry] = {
@@ -84,15 +82,13 @@ CORPUS: dict[str, Entry] = {
     "megatron_gpt_bf16_zero1.json": Entry(
         32, batch=(512, 4, 4), stage=1, precision="bf16",
         extra={"grad_accum_dtype": "fp32", "steps_per_print": 10, "wall_clock_breakdown": False}),
-    # 1-bit Adam and 0/1 Adam need compressed communication: refused; Adam is the uncompressed update.
+    # 1-bit Adam and 0/1 Adam (compressed communication) load as written.
     "bert_onebit_adam.json": Entry(
-        64, batch=(4096, 16, 4), stage=0, precision="fp16", optimizer="Adam",
-        extra={"optimizer.params.lr": 4e-4, "fp16.loss_scale_window": 1000},
-        refused="optimizer.type", fixes=('optimizer={"type": "Adam", "params": {"lr": 4e-4, "weight_decay": 0.01}}',)),
+        64, batch=(4096, 16, 4), stage=0, precision="fp16", optimizer="OneBitAdam",
+        extra={"optimizer.params.lr": 4e-4, "optimizer.params.freeze_step": 23000, "fp16.loss_scale_window": 1000}),
     "bert_zero_one_adam.json": Entry(
-        32, batch=(4096, 16, 8), stage=0, precision="fp16", optimizer="Adam", scheduler="WarmupLR",
-        extra={"optimizer.params.lr": 1e-3},
-        refused="optimizer.type", fixes=('optimizer={"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}',)),
+        32, batch=(4096, 16, 8), stage=0, precision="fp16", optimizer="ZeroOneAdam", scheduler="WarmupLR",
+        extra={"optimizer.params.lr": 1e-3, "optimizer.params.var_freeze_step": 23000}),
     "seed_175b_zero3_offload.json": Entry(
         1, batch=(1024, 8, 128), stage=3, precision="fp32", optimizer="AdamW", scheduler="WarmupLR",
         extra={"zero_optimization.offload_optimizer.device": "cpu",
@@ -190,17 +186,6 @@ def test_corpus_config_loads(name):
     assert (cfg.scheduler.type if cfg.scheduler else None) == entry.scheduler
     for dotted, expected in entry.extra.items():
         assert _get(cfg, dotted) == expected, dotted
-
-
-@pytest.mark.parametrize("name", [n for n, e in CORPUS.items() if e.refused])
-def test_files_using_a_refused_feature_are_refused_naming_the_key(name):
-    """As users have them (with only the "auto" values filled in), these files fail at load, naming
-    every refused key, instead of loading and then ignoring the setting."""
-    entry = CORPUS[name]
-    with pytest.raises(ConfigError) as info:
-        load_config(CONFIG_DIR / name, world_size=entry.world_size, overrides=list(entry.sets))
-    assert info.value.key == entry.refused
-    assert "Fix:" in str(info.value)
 
 
 # Fields whose own default is the string "auto" (not a Hugging Face placeholder).

@@ -145,29 +145,28 @@ def test_cpu_optimizer_keys_are_stripped_for_lion_and_adagrad():
 
 
 # --------------------------------------------------------------------------- 1-bit family
-@pytest.mark.parametrize("type_name, instead", [("OneBitAdam", "Adam"), ("ZeroOneAdam", "Adam"),
-                                               ("OneBitLamb", "Lamb"), ("onebitadam", "Adam")])
-def test_onebit_family_is_refused_naming_the_type_and_what_to_use(type_name, instead):
-    """Compressed communication is not built yet: the config is refused when it is resolved (at load),
-    never later in initialize."""
+def test_onebit_lamb_is_refused_naming_the_type_and_what_to_use():
+    """1-bit LAMB is not built: refused when the config is resolved (at load), never later."""
     with pytest.raises(ConfigError) as info:
-        resolve_optimizer(type_name, {"lr": 2e-4, "freeze_step": 10})
+        resolve_optimizer("OneBitLamb", {"lr": 2e-4, "freeze_step": 10})
     err = info.value
-    assert err.key == "optimizer.type" and err.value == type_name
-    assert "compressed communication" in err.message
-    assert f'use "{instead}"' in err.fix and "ZeRO" in err.fix
-    resolve_optimizer(instead, {"lr": 2e-4})  # what the fix names resolves
-
-
-@pytest.mark.parametrize("type_name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "onebitadam"])
-def test_onebit_family_params_still_resolve_for_the_compressed_runtime(type_name):
-    spec = resolve_compressed_optimizer(type_name, {"lr": 2e-4})
-    assert spec.cls is None and spec.name == type_name.lower() and spec.adamw_mode is None
-    assert spec.kwargs["lr"] == 2e-4
-    assert spec.kwargs["comm_backend_name"] == "nccl" and spec.kwargs["amsgrad"] is False
-    assert needs_untested_flag(spec) is False
+    assert err.key == "optimizer.type" and err.value == "OneBitLamb"
+    assert '"Lamb"' in err.fix and '"OneBitAdam"' in err.fix
+    resolve_optimizer("Lamb", {"lr": 2e-4})  # what the fix names resolves
     with pytest.raises(NotImplementedError):
-        build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+        build_optimizer(resolve_compressed_optimizer("OneBitLamb", {}), [torch.nn.Parameter(torch.zeros(1))])
+
+
+@pytest.mark.parametrize("type_name, cls", [("OneBitAdam", "OnebitAdam"), ("ZeroOneAdam", "ZeroOneAdam"),
+                                            ("onebitadam", "OnebitAdam")])
+def test_onebit_family_resolves_to_raydeeps_optimizers(type_name, cls):
+    spec = resolve_optimizer(type_name, {"lr": 2e-4})
+    assert spec.cls.__name__ == cls and spec.name == type_name.lower() and spec.adamw_mode is None
+    assert spec.kwargs["lr"] == 2e-4
+    assert spec.kwargs["comm_backend_name"] is None and spec.kwargs["amsgrad"] is False
+    assert needs_untested_flag(spec) is False
+    opt = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(1))])
+    assert type(opt).__name__ == cls
 
 
 def test_onebit_defaults_match_documentation():

@@ -1,0 +1,167 @@
+"""Workloads of the compressed-communication tests, run on gloo ranks."""
+from __future__ import annotations
+
+import torch
+
+SIZES = (1000, 37, 4096)  # chunk sizes: none a multiple of every padding unit
+
+
+def dyadic_grads(step: int, rank: int, params=None) -> list[torch.Tensor]:
+    """Gradients that are multiples of 1/64 in [-1, 1]: any sum of a few of them, in any order,
+    and that sum times 1/world are exact, so the ranks' all-reduce and the reference's rank-order
+    sum agree to the bit whatever order the backend adds in."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(-64, 65, (n,), generator=g).float() / 64 for n in SIZES]
+
+
+def initial_params() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(n, generator=g) for n in SIZES]
+
+
+def run_optimizer(name: str, options: dict, steps: int) -> dict:
+    """The distributed optimizer over ``initial_params`` on this rank, fed ``dyadic_grads`` as the
+    engine would: all-reduced and averaged unless the optimizer communicates itself."""
+    import torch.distributed as dist
+
+    from raydeep import comm
+    from raydeep.compression import CompressedAllReduce, OnebitAdam, ZeroOneAdam
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stats = comm.CommStats()
+    params = [torch.nn.Parameter(p) for p in initial_params()]
+    cls = {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam}[name]
+    opt = cls(params, communicator=CompressedAllReduce(stats), **options)
+    history, phases, step_bytes = [], [], []
+    for step in range(1, steps + 1):
+        own = opt.communicates_gradients()
+        phases.append(opt.phase)
+        grads = dyadic_grads(step, rank)
+        if not own:
+            for g in grads:
+                comm.all_reduce(g, stats)
+                g.mul_(1.0 / world)
+        before = stats.total_bytes
+        for p, g in zip(params, grads):
+            p.grad = g
+        with opt.one_phase():
+            opt.step()
+        step_bytes.append(stats.total_bytes - before)
+        history.append([p.detach().clone() for p in params])
+    return {"history": history, "phases": phases, "step_bytes": step_bytes, "comm": stats.summary()}
+
+
+# --- the engine on the tiny GPT ------------------------------------------------------------------
+def gpt_config(optimizer: dict, gas: int = 1, micro: int = 2, clip: float = 0.0, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+            "optimizer": optimizer, "zero_optimization": {"stage": 0, "reduce_bucket_size": 40000}, **extra}
+
+
+class WireBytes:
+    """Counts, independently of raydeep's CommStats, the bytes this rank sends through
+    torch.distributed: a ring all-reduce sends 2(w-1)/w of the tensor, an all-to-all (w-1)/w of
+    its input, an all-gather its input to each of the w-1 others."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.sent, self._saved = dist, 0, {}
+        world = dist.get_world_size()
+        rules = {"all_reduce": lambda t, *a, **k: 2 * (world - 1) / world * _nbytes(t),
+                 "all_to_all_single": lambda out, inp, *a, **k: (world - 1) / world * _nbytes(inp),
+                 "all_gather_into_tensor": lambda out, inp, *a, **k: (world - 1) * _nbytes(inp)}
+        if hasattr(dist, "all_gather_single"):
+            rules["all_gather_single"] = rules["all_gather_into_tensor"]
+        for name, rule in rules.items():
+            self._wrap(name, rule)
+
+    def _wrap(self, name, rule):
+        import raydeep.comm as rcomm
+
+        original = getattr(self.dist, name)
+
+        def counted(*args, **kwargs):
+            self.sent += rule(*args, **kwargs)
+            return original(*args, **kwargs)
+        self._saved[name] = original
+        setattr(self.dist, name, counted)
+        if getattr(rcomm, "_ALL_GATHER", None) is original:
+            self._saved["_ALL_GATHER"] = original
+            rcomm._ALL_GATHER = counted
+
+    def close(self):
+        import raydeep.comm as rcomm
+
+        for name, original in self._saved.items():
+            if name == "_ALL_GATHER":
+                rcomm._ALL_GATHER = original
+            else:
+                setattr(self.dist, name, original)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _batch(step: int, rank: int, micro: int, k: int = 0, world: int = 1):
+    from tests.dist.workloads import SEQ
+
+    g = torch.Generator().manual_seed(10_000 + step)
+    batch = torch.randint(0, 256, (micro * world * 8, SEQ + 1), generator=g)
+    lo = (k * world + rank) * micro
+    x = batch[lo:lo + micro]
+    return x[:, :-1], x[:, 1:]
+
+
+def engine_against_reference(optimizer: dict, steps: int, reference_options: dict) -> dict:
+    """Train the tiny GPT with a compressed optimizer on this rank; rank 0 also runs the
+    N-worker reference from the same start, computing each rank's gradients on a replica."""
+    import torch.distributed as dist
+
+    import raydeep
+    from raydeep.compression import reference
+    from tests.dist.workloads import tiny_gpt
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, *_ = raydeep.initialize(model=tiny_gpt(), config=gpt_config(optimizer))
+    units = engine.strategy.units
+    start = [u.local.detach().float().clone() for u in units]
+    wire, history, step_bytes, phases = WireBytes(), [], [], []
+    try:
+        for step in range(1, steps + 1):
+            phases.append(engine.tier.phase)
+            before, logical = wire.sent, engine.comm_stats()
+            engine.reset_comm_stats()
+            x, y = _batch(step, rank, 2, world=world)
+            engine.backward(engine(x, y))
+            engine.step()
+            step_bytes.append({"wire": wire.sent - before, "logical": engine.comm_stats()})
+            history.append([u.local.detach().float().clone() for u in units])
+            del logical
+    finally:
+        wire.close()
+    out = {"history": history, "step_bytes": step_bytes, "phases": phases,
+           "numel": sum(u.local.numel() for u in units)}
+    if rank == 0:
+        replica, slots = tiny_gpt(), [[(s.name, s.offset, s.numel) for s in u.layout.slots] for u in units]
+        named = dict(replica.named_parameters())
+
+        def grad_fn(step, r, flats):
+            with torch.no_grad():
+                for flat, unit_slots in zip(flats, slots):
+                    for name, offset, n in unit_slots:
+                        named[name].copy_(flat[offset:offset + n].view_as(named[name]))
+            replica.zero_grad(set_to_none=True)
+            x, y = _batch(step, r, 2, world=world)
+            replica(x, y).backward()
+            grads = []
+            for flat, unit_slots in zip(flats, slots):
+                g = torch.zeros_like(flat)
+                for name, offset, n in unit_slots:
+                    if named[name].grad is not None:
+                        g[offset:offset + n] = named[name].grad.reshape(-1)
+                grads.append(g)
+            return grads
+        simulate = {"OneBitAdam": reference.onebit_adam, "ZeroOneAdam": reference.zero_one_adam}[optimizer["type"]]
+        out["reference"] = simulate(start, grad_fn, steps, world, **reference_options)
+    return out
