@@ -165,3 +165,99 @@ def engine_against_reference(optimizer: dict, steps: int, reference_options: dic
         simulate = {"OneBitAdam": reference.onebit_adam, "ZeroOneAdam": reference.zero_one_adam}[optimizer["type"]]
         out["reference"] = simulate(start, grad_fn, steps, world, **reference_options)
     return out
+
+
+def train_steps(engine, steps: int) -> list[float]:
+    """``steps`` optimizer steps continuing from ``engine.global_steps``: step s reads batch s
+    (so a resumed engine reads what an uninterrupted one would); losses averaged over ranks."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    losses = []
+    for _ in range(steps):
+        step, total = engine.global_steps + 1, 0.0
+        for k in range(gas):
+            x, y = _batch(step, rank, micro, k, world)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / gas
+        t = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def reload_in_compressed_stage(optimizer: dict, steps: int, save_at: int, path: str) -> dict:
+    """An uninterrupted run, and the same run saved at ``save_at`` (in the compressed stage) and
+    continued by a fresh engine loaded from that checkpoint."""
+    import raydeep
+    from tests.dist.workloads import tiny_gpt
+
+    cfg = gpt_config(optimizer, gas=2, clip=1.0)
+    straight, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
+    expected = train_steps(straight, steps)
+    first, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
+    got = train_steps(first, save_at)
+    phase_at_save = first.tier.phase
+    first.save_checkpoint(path, tag="mid")
+    first.destroy()
+    resumed, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
+    resumed.load_checkpoint(path, tag="mid")
+    got += train_steps(resumed, steps - save_at)
+    return {"expected": expected, "got": got, "phase_at_save": phase_at_save,
+            "same_params": all(torch.equal(a.local, b.local) for a, b in zip(straight.strategy.units,
+                                                                             resumed.strategy.units))}
+
+
+def load_at_another_world_size(optimizer: dict, path: str) -> dict:
+    """Load a checkpoint written at another world size: the error feedback starts from zero, with
+    a warning naming both world sizes; training continues in the compressed stage."""
+    import logging
+
+    import raydeep
+    from tests.dist.workloads import tiny_gpt
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("raydeep").addHandler(handler)
+    try:
+        engine, *_ = raydeep.initialize(model=tiny_gpt(), config=gpt_config(optimizer, gas=2, clip=1.0))
+        engine.load_checkpoint(path, tag="mid")
+        losses = train_steps(engine, 2)
+    finally:
+        logging.getLogger("raydeep").removeHandler(handler)
+    return {"warnings": [r for r in records if "error feedback" in r], "phase": engine.tier.phase,
+            "losses": losses, "errors": {k: float(v.abs().sum()) for k, v in engine.tier.rank_state().items()}}
+
+
+def converge(optimizers: dict[str, dict], steps: int, micro: int) -> dict:
+    """Train the tiny GPT on the built-in byte corpus with each optimizer from the same start;
+    returns each run's per-step losses (averaged over ranks)."""
+    import torch.distributed as dist
+
+    import raydeep
+    from raydeep.data import builtin_dataset
+    from tests.dist.workloads import SEQ, tiny_gpt
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = builtin_dataset(SEQ)
+    out = {}
+    for label, optimizer in optimizers.items():
+        engine, *_ = raydeep.initialize(model=tiny_gpt(), config=gpt_config(optimizer, micro=micro, clip=1.0))
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, len(data), (micro * world,), generator=g)[rank * micro:(rank + 1) * micro]
+            x = torch.stack([data[int(i)][0] for i in ids])
+            y = torch.stack([data[int(i)][1] for i in ids])
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            t = loss.detach().double().reshape(1)
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        out[label] = {"losses": losses, "phase": engine.tier.phase, "comm": engine.comm_stats()}
+    return out
