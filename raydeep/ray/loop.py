@@ -81,7 +81,7 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         first_loss = last_loss if first_loss is None else first_loss
         step = engine.global_steps
         session.step_done({"step": step, "loss": last_loss, "samples": engine.global_samples,
-                           "seconds": time.time() - started, "time": time.time()})
+                           "seconds": time.time() - started, "time": time.time(), "phase": engine.tier.phase})
         if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
@@ -94,7 +94,8 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
               "global_samples": engine.global_samples, "param_sha256": param_sha256(params),
               "samples_sha256": ledger.digest, "attempts": attempts, "train_batch_size": plan.train_batch_size,
               "zero_stage": engine.zero_optimization_stage(), "num_parameters": sum(t.numel() for t in params.values()),
-              "memory": engine.memory_breakdown(), "offload": _offload_section(engine, world)}
+              "memory": engine.memory_breakdown(), "offload": _offload_section(engine, world),
+              "compression": engine.tier.compression_report()}
     if spec.export_fp32 and rank == 0:
         save_fp32(params, f"{spec.run_uri}/model_fp32.safetensors")
     engine.destroy()  # releases the offload actors now rather than when the worker exits

@@ -54,9 +54,9 @@ class ProgressBar:
 
         self.console = console or Console()
         columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                   TextColumn("workers {task.fields[world]}"), TimeRemainingColumn()]
+                   TextColumn("workers {task.fields[world]}"), TextColumn("{task.fields[phase]}"), TimeRemainingColumn()]
         self.progress = Progress(*columns, console=self.console)
-        self.task = self.progress.add_task("train", total=total_steps, loss="-", world="-")
+        self.task = self.progress.add_task("train", total=total_steps, loss="-", world="-", phase="")
         self._attempts_shown = 0
 
     def __enter__(self):
@@ -82,6 +82,8 @@ class ProgressBar:
         latest = snapshot["latest"]
         if latest:
             world = attempts[latest["attempt"]]["world_size"] if latest.get("attempt") is not None else "-"
-            self.progress.update(self.task, completed=latest["step"], loss=f"{latest['loss']:.3f}", world=world)
+            phase = latest.get("phase") or ""  # warm-up / compressed (1-bit Adam, 0/1 Adam)
+            self.progress.update(self.task, completed=latest["step"], loss=f"{latest['loss']:.3f}", world=world,
+                                 phase=phase)
         elif attempts:
             self.progress.update(self.task, completed=attempts[-1]["resumed_from_step"])

@@ -45,7 +45,7 @@ def build_summary(spec, result: dict, snapshot: dict, driver_id: str, started: f
         "attempts": attempts, "recoveries": recoveries(seen),
         "samples_per_s": advanced / elapsed, "elapsed_s": elapsed,
         "param_sha256": result["param_sha256"], "samples_sha256": result["samples_sha256"],
-        "offload": result.get("offload"),
+        "offload": result.get("offload"), "compression": result.get("compression"),
     }
 
 

@@ -151,6 +151,26 @@ def test_sigkill_of_a_worker_resumes_bitwise(uninterrupted, storage):
           f"after the kill (resumed at step {recovery['resumed_from_step']})")
 
 
+def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(storage):
+    """1-bit Adam (stage 0) past its freeze step: the error feedback of each rank comes back from
+    the checkpoint with the rest, so the restarted run ends with the uninterrupted run's weights."""
+    import copy
+
+    from raydeep.ray.spec import DEFAULT_DS_CONFIG
+
+    config = copy.deepcopy(DEFAULT_DS_CONFIG)
+    config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 2e-3, "freeze_step": 2, "weight_decay": 0.01}}
+    config["zero_optimization"] = {"stage": 0}
+    spec = lambda name: spec_for(storage, name, ds_config=config, steps=2 * EVERY)  # noqa: E731
+    straight = fit(spec("onebit-uninterrupted"))
+    assert straight["compression"]["phase"] == "compressed" and straight["compression"]["compressed_bytes"] > 0
+    kill = KillRankOne(after_step=EVERY + 1)
+    summary = fit(spec("onebit-killed"), on_progress=kill)
+    assert kill.killed_at is not None and summary["restarts"] == 1
+    assert summary["recoveries"][0]["resumed_from_step"] == EVERY  # in the compressed stage (from step 3)
+    assert summary["param_sha256"] == straight["param_sha256"]
+
+
 def _flip_a_byte(path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # inside the tensor data: the file still parses, its sha256 does not match
