@@ -1,0 +1,143 @@
+"""Step time and bytes of 1-bit Adam and 0/1 Adam against uncompressed Adam, in one run.
+
+    python -m benchmarks.compression --world 2 --steps 14 --model gpt-tiny --json compression.json
+
+Spawns ``--world`` gloo ranks. On the same model init and data, at ZeRO stage 0, three engines
+take turns one optimizer step at a time: torch AdamW (the gradients all-reduced in fp32), 1-bit
+Adam and 0/1 Adam, both past their warm-up after two steps (``freeze_step`` /
+``var_freeze_step`` 2; 0/1 Adam's local steps are off, ``local_step_clipper`` 1, so every step
+communicates). A step's time is the slowest rank's wall time from a barrier; the first
+``--warmup`` steps are dropped; medians over the rest. Bytes per step come from ``CommStats``.
+
+On CPU ranks sharing two cores the compressed all-reduce does more arithmetic (norms, signs,
+packing, unpacking) than it saves in gloo transfer over loopback: compression pays where the
+network, not the CPU, is the bottleneck. The benchmark reports what it measures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+import traceback
+
+import torch
+
+ENGINES = {
+    "Adam": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+    "OneBitAdam": {"type": "OneBitAdam", "params": {"lr": 1e-3, "weight_decay": 0.01, "freeze_step": 2}},
+    "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "weight_decay": 0.01, "var_freeze_step": 2,
+                                                      "local_step_clipper": 1}},
+}
+
+
+def measure(args) -> dict:
+    import torch.distributed as dist
+
+    import raydeep
+    from raydeep.models import build_gpt
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engines = {}
+    for name, optimizer in ENGINES.items():
+        torch.manual_seed(0)
+        model = build_gpt(args.model)
+        config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0, "optimizer": optimizer, "zero_optimization": {"stage": 0}}
+        engines[name] = raydeep.initialize(model=model, config=config)[0]
+    block = engines["Adam"].module.config.block_size
+    g = torch.Generator().manual_seed(rank)
+    times = {name: [] for name in engines}
+    nbytes = {name: [] for name in engines}
+    for step in range(args.steps):
+        x = torch.randint(0, 256, (args.micro, block + 1), generator=g)
+        order = list(engines)[step % len(engines):] + list(engines)[:step % len(engines)]
+        for name in order:
+            engine = engines[name]
+            engine.reset_comm_stats()
+            dist.barrier()
+            began = time.perf_counter()
+            engine.backward(engine(x[:, :-1], x[:, 1:]))
+            engine.step()
+            elapsed = torch.tensor([time.perf_counter() - began])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(float(elapsed))
+            nbytes[name].append(sum(op["bytes"] for op in engine.comm_stats().values()))
+    phases = {name: engine.tier.phase for name, engine in engines.items()}
+    return {"times": times, "bytes": nbytes, "phases": phases}
+
+
+def summarize(args, result: dict) -> dict:
+    out = {"world": args.world, "model": args.model, "micro": args.micro, "engines": {}}
+    base = statistics.median(result["times"]["Adam"][args.warmup:])
+    base_bytes = statistics.median(result["bytes"]["Adam"][args.warmup:])
+    for name in ENGINES:
+        t = statistics.median(result["times"][name][args.warmup:])
+        b = statistics.median(result["bytes"][name][args.warmup:])
+        out["engines"][name] = {"step_s": t, "vs_adam": t / base, "bytes_per_step": b,
+                                "bytes_vs_adam": b / base_bytes, "phase": result["phases"][name]}
+    return out
+
+
+def render(summary: dict) -> str:
+    lines = [f"{summary['model']}, {summary['world']} gloo ranks, stage 0, median step after warm-up:"]
+    for name, e in summary["engines"].items():
+        lines.append(f"  {name:12s} {e['step_s'] * 1e3:7.1f} ms ({e['vs_adam']:.2f}x Adam), "
+                     f"{e['bytes_per_step'] / 1e6:7.3f} MB per step ({e['bytes_vs_adam']:.4f}x Adam)")
+    return "\n".join(lines)
+
+
+def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = measure(args)
+        dist.destroy_process_group()
+        queue.put((rank, result, None))
+    except BaseException:  # report instead of hanging the parent
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run(args) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    results = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [e for _, _, e in results if e]
+    if errors:
+        raise RuntimeError(errors[0])
+    return summarize(args, next(r for rank, r, _ in results if rank == 0))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    summary = run(args)
+    print(render(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
