@@ -1,12 +1,12 @@
-"""Step time and bytes of 1-bit Adam and 0/1 Adam against uncompressed Adam, in one run.
+"""Step time and bytes of 1-bit Adam, 0/1 Adam and 1-bit LAMB against uncompressed Adam and LAMB, in one run.
 
     python -m benchmarks.compression --world 2 --steps 14 --model gpt-tiny --json compression.json
 
 Spawns ``--world`` gloo ranks. On the same model init and data, at ZeRO stage 0, three engines
-take turns one optimizer step at a time: torch AdamW (the gradients all-reduced in fp32), 1-bit
-Adam and 0/1 Adam, both past their warm-up after two steps (``freeze_step`` /
-``var_freeze_step`` 2; 0/1 Adam's local steps are off, ``local_step_clipper`` 1, so every step
-communicates). A step's time is the slowest rank's wall time from a barrier; the first
+take turns one optimizer step at a time: torch AdamW and raydeep's Lamb (the gradients
+all-reduced in fp32), 1-bit Adam, 0/1 Adam and 1-bit LAMB, past their warm-up after two steps
+(``freeze_step`` / ``var_freeze_step`` 2; 0/1 Adam's local steps are off, ``local_step_clipper``
+1, so every step communicates). 1-bit LAMB's step is also given against Lamb's. A step's time is the slowest rank's wall time from a barrier; the first
 ``--warmup`` steps are dropped; medians over the rest. Bytes per step come from ``CommStats``.
 
 On CPU ranks sharing two cores the compressed all-reduce does more arithmetic (norms, signs,
@@ -31,6 +31,8 @@ ENGINES = {
     "OneBitAdam": {"type": "OneBitAdam", "params": {"lr": 1e-3, "weight_decay": 0.01, "freeze_step": 2}},
     "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {"lr": 1e-3, "weight_decay": 0.01, "var_freeze_step": 2,
                                                       "local_step_clipper": 1}},
+    "Lamb": {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    "OneBitLamb": {"type": "OneBitLamb", "params": {"lr": 1e-2, "weight_decay": 0.01, "freeze_step": 2}},
 }
 
 
@@ -79,13 +81,16 @@ def summarize(args, result: dict) -> dict:
         b = statistics.median(result["bytes"][name][args.warmup:])
         out["engines"][name] = {"step_s": t, "vs_adam": t / base, "bytes_per_step": b,
                                 "bytes_vs_adam": b / base_bytes, "phase": result["phases"][name]}
+    lamb = out["engines"]["Lamb"]["step_s"]
+    out["engines"]["OneBitLamb"]["vs_lamb"] = out["engines"]["OneBitLamb"]["step_s"] / lamb
     return out
 
 
 def render(summary: dict) -> str:
     lines = [f"{summary['model']}, {summary['world']} gloo ranks, stage 0, median step after warm-up:"]
     for name, e in summary["engines"].items():
-        lines.append(f"  {name:12s} {e['step_s'] * 1e3:7.1f} ms ({e['vs_adam']:.2f}x Adam), "
+        versus = f", {e['vs_lamb']:.2f}x Lamb" if "vs_lamb" in e else ""
+        lines.append(f"  {name:12s} {e['step_s'] * 1e3:7.1f} ms ({e['vs_adam']:.2f}x Adam{versus}), "
                      f"{e['bytes_per_step'] / 1e6:7.3f} MB per step ({e['bytes_vs_adam']:.4f}x Adam)")
     return "\n".join(lines)
 

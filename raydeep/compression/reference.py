@@ -1,4 +1,4 @@
-"""1-bit Adam and 0/1 Adam for N simulated workers in one process: the oracle the distributed
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB for N simulated workers in one process: the oracle the distributed
 optimizers are tested against.
 
 A direct transcription of DeepSpeed's algorithms with lists in place of ranks: no packing, no
@@ -177,4 +177,86 @@ def zero_one_adam(params: list[torch.Tensor], grad_fn: GradFn, steps: int, world
             if var_counter == var_update_scaler:
                 var_counter, var_interval = 0, var_interval * 2
         history.append([p.clone() for p in P[0]])
+    return history
+
+
+def _lamb_factor(ratio, prelim, update, weight_decay, last, factor_min, factor_max, threshold) -> float:
+    factor = ratio.max().item()
+    if weight_decay > 0.0:
+        norm = update.pow(2).sum().sqrt()
+        share = 1.0 if norm == 0 else min(1.0, (prelim.pow(2).sum().sqrt() / norm).item())
+        factor = factor * share + (1.0 - share)
+    factor = min(max(factor, factor_min), factor_max)
+    return min(max(factor, last * (1.0 - threshold)), last * (1.0 + threshold))
+
+
+def onebit_lamb(params: list[torch.Tensor], grad_fn: GradFn, steps: int, world: int, *, lr: float,
+                freeze_step: int, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0,
+                factor_min: float = 0.5, factor_threshold: float = 0.1,
+                layers: list[list[tuple[str, int, int]]] | None = None) -> list[list[torch.Tensor]]:
+    """1-bit LAMB: step 1 only initialises; LAMB with an EMA of each layer's trust ratio while
+    fewer than ``max(freeze_step, 2)`` steps are done; then frozen variance, each worker's
+    momentum scaled per layer and averaged compressed, a fresh variance from the reconstructed
+    gradient, and the frozen trust ratio times a clamped factor. ``layers[i]`` names the layers
+    inside tensor ``i`` (default: the tensor is one layer, ``param<i>``)."""
+    beta1, beta2 = betas
+    params = [p.detach().clone().float() for p in params]
+    layers = layers or [[(f"param{i}", 0, p.numel())] for i, p in enumerate(params)]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    fresh = [torch.zeros_like(p) for p in params]
+    freeze = {name: 0.0 for tensor in layers for name, _, _ in tensor}
+    last_factor = dict.fromkeys(freeze, 1.0)
+    scaling: dict[str, float] = {}
+    worker_errors, server_errors = _errors(params, world)
+    history = []
+    for step in range(1, steps + 1):
+        grads = [grad_fn(step, r, params) for r in range(world)]
+        compressed = step > 1 and step - 1 >= max(freeze_step, 2)
+        if compressed and not scaling:  # each layer's momentum RMS against their mean, once
+            rms = {}
+            for i, tensor in enumerate(layers):
+                for name, lo, hi in tensor:
+                    rms[name] = math.sqrt(m[i][lo:hi].double().pow(2).sum().item() / (hi - lo))
+            united = sum(rms.values()) / len(rms)
+            scaling = {name: united / r if r > 0 else 1.0 for name, r in rms.items()}
+        for i, p in enumerate(params) if step > 1 else ():
+            if not compressed:
+                g = _mean(grads, i)
+                m[i].mul_(beta1).add_(g, alpha=1 - beta1)
+                v[i].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                if step == freeze_step:
+                    fresh[i].copy_(v[i])
+                update = m[i] / (v[i].sqrt() + eps)
+                if weight_decay > 0.0:
+                    update += weight_decay * p
+                for name, lo, hi in layers[i]:
+                    w, u = p[lo:hi].pow(2).sum().sqrt(), update[lo:hi].pow(2).sum().sqrt()
+                    coeff = min(max((w / u).item(), min_coeff), max_coeff) if w != 0 and u != 0 else 1.0
+                    if coeff != 1.0:
+                        freeze[name] = coeff_beta * freeze[name] + (1 - coeff_beta) * coeff
+                    p[lo:hi].add_(-lr * coeff * update[lo:hi])
+                continue
+            last = m[i].clone()
+            local = []
+            for g in grads:
+                x = m[i].clone().mul_(beta1).add_(g[i], alpha=1 - beta1)
+                for name, lo, hi in layers[i]:
+                    x[lo:hi].mul_(scaling[name])
+                local.append(x)
+            m[i] = compressed_average(local, worker_errors[i], server_errors[i]) if world > 1 else local[0]
+            for name, lo, hi in layers[i]:
+                m[i][lo:hi].div_(scaling[name])
+            g = (m[i] - last * beta1) / (1 - beta1)
+            fresh[i].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom, denom_real = v[i].sqrt() + eps, fresh[i].sqrt() + eps
+            prelim = m[i] / denom
+            update = prelim + weight_decay * p if weight_decay > 0.0 else prelim
+            for name, lo, hi in layers[i]:
+                last_factor[name] = _lamb_factor(denom[lo:hi] / denom_real[lo:hi], prelim[lo:hi], update[lo:hi],
+                                                 weight_decay, last_factor[name], factor_min, factor_max,
+                                                 factor_threshold)
+                coeff = freeze[name] * last_factor[name]
+                p[lo:hi].add_(-lr * coeff * update[lo:hi])
+        history.append([p.clone() for p in params])
     return history

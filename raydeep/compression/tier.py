@@ -15,6 +15,7 @@ same world size.
 """
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -26,14 +27,38 @@ logger = logging.getLogger("raydeep")
 
 
 class CompressedTier(LocalTier):
-    """A ``LocalTier`` whose optimizer (``OnebitAdam`` or ``ZeroOneAdam``) communicates."""
+    """A ``LocalTier`` whose optimizer (``OnebitAdam``, ``ZeroOneAdam`` or ``OnebitLamb``) communicates.
+
+    1-bit LAMB's trust ratio is per model parameter, so its masters are whole units (a parameter
+    is never cut by ``sub_group_size``) and the tier names each parameter's range in them.
+    """
 
     def __init__(self, units, group_options, optimizer_cls: type, kwargs: dict, communicator: CompressedAllReduce,
                  sub_group_size: int):
         def make(groups):
             return optimizer_cls(groups, **kwargs, communicator=communicator)
-        super().__init__(units, group_options, make, sub_group_size)
+        layer_wise = hasattr(optimizer_cls, "set_layers")
+        if layer_wise and 0 < sub_group_size < max((u.local.numel() for u in units), default=0):
+            logger.warning("zero_optimization.sub_group_size %d has no effect with %s: its trust ratio is per "
+                           "parameter, so each bucket is updated whole", sub_group_size, optimizer_cls.__name__)
+        super().__init__(units, group_options, make, 0 if layer_wise else sub_group_size)
         self.compressor = communicator
+        if layer_wise:
+            self.optimizer.set_layers(self._parameter_ranges())
+
+    def _parameter_ranges(self) -> dict:
+        """Per master chunk: each model parameter's name and ``[lo, hi)`` inside it."""
+        out = {}
+        for param, c in zip(self.shards.params, self.shards.chunks):
+            unit = self.units[c.unit]
+            base = unit.layout.shard_range(unit.rank)[0]
+            ranges = []
+            for slot in unit.layout.slots:
+                lo, hi = max(slot.offset - base, c.lo), min(slot.offset + slot.numel - base, c.hi)
+                if lo < hi:
+                    ranges.append((slot.name, lo - c.lo, hi - c.lo))
+            out[param] = ranges
+        return out
 
     def communicates_gradients(self) -> bool:
         return self.optimizer.communicates_gradients()
@@ -47,6 +72,21 @@ class CompressedTier(LocalTier):
         # own step counter, which the first sub-group advances.
         with self.optimizer.one_phase():
             super().step(grad_shards, scale)
+
+    # --- 1-bit LAMB's per-parameter scalars travel with group 0's scalar states (JSON, by name) ------
+    def _export(self, ranges, with_optimizer):
+        segments, dtypes, scalars = super()._export(ranges, with_optimizer)
+        layers = getattr(self.optimizer, "layers", None)
+        if with_optimizer and layers is not None:
+            scalars.setdefault(0, {})["layers"] = {"value": copy.deepcopy(layers), "tensor": False}
+        return segments, dtypes, scalars
+
+    def _import(self, pieces, scalars) -> None:
+        if scalars is not None and hasattr(self.optimizer, "layers"):
+            scalars = [dict(s) for s in scalars]
+            saved = scalars[0].pop("layers", None) if scalars else None
+            self.optimizer.layers = copy.deepcopy(saved["value"]) if saved else {}
+        super()._import(pieces, scalars)
 
     # --- rank-local state (error feedback) ---------------------------------------------------------
     def rank_state(self) -> dict[str, torch.Tensor]:

@@ -99,7 +99,6 @@ def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, needs_untested_flag, resolve_optimizer
 
     try:
-        # Refuses 1-bit LAMB (not built) too.
         spec = resolve_optimizer(cfg.optimizer.type, dict(cfg.optimizer.params))
     except ValueError as exc:
         errors.append(_as_config_error(exc, "optimizer.type", cfg.optimizer.type))
@@ -117,8 +116,8 @@ def _optimizer_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
 
 
 def _compressed_optimizer_rules(cfg: RaydeepConfig, spec, errors: list, warnings: list) -> None:
-    """DeepSpeed's rules for 1-bit Adam and 0/1 Adam, and what raydeep substitutes."""
-    display = {"onebitadam": "1bit-Adam", "zerooneadam": "0/1 Adam"}[spec.name]
+    """DeepSpeed's rules for 1-bit Adam, 0/1 Adam and 1-bit LAMB, and what raydeep substitutes."""
+    display = {"onebitadam": "1bit-Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit Lamb"}[spec.name]
     if cfg.zero_optimization.stage >= 1:
         errors.append(ConfigError("zero_optimization.stage", f"{display} is not compatible with ZeRO: it averages "
                                   "full momentum (or gradient) tensors itself, which ZeRO shards",

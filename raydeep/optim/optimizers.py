@@ -10,8 +10,8 @@ Name rules (DeepSpeed's ``DeepSpeedConfig`` + ``engine._configure_basic_optimize
 * the type is lower-cased only if the lower-cased name is one of DeepSpeed's own names
   (``adagrad, adam, adamw, lamb, lion, muadam, muadamw, musgd, muon``) or of the
   compressed-communication family ``onebitadam, zerooneadam, onebitlamb`` (DeepSpeed releases
-  before 0.19.8 had them). 1-bit Adam and 0/1 Adam build ``raydeep.compression``'s optimizers
-  (stage 0 only, as in DeepSpeed); 1-bit LAMB is refused with the optimizer to use instead;
+  before 0.19.8 had them). They build ``raydeep.compression``'s optimizers (stage 0 only, as in
+  DeepSpeed);
 * anything else is looked up case-sensitively as ``torch.optim.<type>`` (``"SGD"`` works,
   ``"sgd"`` does not).
 
@@ -76,8 +76,6 @@ ONEBIT_OPTIMIZERS: dict[str, dict[str, Any]] = {
     },
 }
 _COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
-# What to use instead of each compressed-communication optimizer: the same update, uncompressed.
-_UNCOMPRESSED = {"onebitlamb": "Lamb"}
 
 # Canonical spellings offered in did-you-mean suggestions and fixes.
 _DISPLAY_NAMES: dict[str, str] = {
@@ -101,9 +99,7 @@ _MAX_GRAD_NORM_MESSAGE = (
 class OptimizerSpec:
     """A resolved ``optimizer`` block: what to build and with which keyword arguments.
 
-    ``cls`` is ``None`` for the compressed-communication optimizers (only
-    :func:`resolve_compressed_optimizer` makes such a spec). ``adamw_mode`` is set only for
-    Adam/AdamW (DeepSpeed's effective mode).
+    ``adamw_mode`` is set only for Adam/AdamW (DeepSpeed's effective mode).
 
     Example:
         >>> spec = resolve_optimizer("SGD", {"lr": 0.1, "momentum": 0.9})
@@ -347,19 +343,10 @@ def _resolve_onebit(name: str, params: dict[str, Any]) -> OptimizerSpec:
     return OptimizerSpec(name, _compressed_class(name), _normalise({**defaults, **params}))
 
 
-def _compressed_class(name: str) -> type | None:
-    from raydeep.compression.optimizers import OnebitAdam, ZeroOneAdam
+def _compressed_class(name: str) -> type:
+    from raydeep.compression import OnebitAdam, OnebitLamb, ZeroOneAdam
 
-    return {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam}.get(name)
-
-
-def _compressed_not_built(type_name: str, name: str) -> ConfigError:
-    instead = _UNCOMPRESSED[name]
-    return ConfigError(
-        "optimizer.type", f"{type_name} is not built in raydeep (1-bit Adam and 0/1 Adam are)",
-        value=type_name,
-        fix=f'use "OneBitAdam" or "ZeroOneAdam" for compressed communication, or "{instead}" for the same update '
-        "uncompressed (drop freeze_step, the coefficient params, cuda_aware and comm_backend_name)")
+    return {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OnebitLamb}[name]
 
 
 def _resolve_class(type_name: str) -> tuple[str, type | None]:
@@ -398,8 +385,6 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
         raise ConfigError("optimizer.type", "must be a non-empty string", value=type_name,
                           fix='set it to an optimizer name such as "AdamW"')
     name, cls = _resolve_class(type_name)
-    if name in _UNCOMPRESSED:
-        raise _compressed_not_built(type_name, name)
     params = dict(params or {})
     if "max_grad_norm" in params:
         raise ConfigError("optimizer.params.max_grad_norm", _MAX_GRAD_NORM_MESSAGE,
@@ -422,8 +407,6 @@ def resolve_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -
 def resolve_compressed_optimizer(type_name: str, params: Mapping[str, Any] | None = None) -> OptimizerSpec:
     """Validate a compressed-communication optimizer block (1-bit Adam, 0/1 Adam, 1-bit LAMB) against
     its documented keywords and defaults, for the runtime that will build it.
-
-    Its ``cls`` is None for 1-bit LAMB, which raydeep does not build.
 
     Example:
         >>> spec = resolve_compressed_optimizer("OneBitAdam", {"freeze_step": 400})

@@ -25,12 +25,12 @@ def run_optimizer(name: str, options: dict, steps: int) -> dict:
     import torch.distributed as dist
 
     from raydeep import comm
-    from raydeep.compression import CompressedAllReduce, OnebitAdam, ZeroOneAdam
+    from raydeep.compression import CompressedAllReduce, OnebitAdam, OnebitLamb, ZeroOneAdam
 
     rank, world = dist.get_rank(), dist.get_world_size()
     stats = comm.CommStats()
     params = [torch.nn.Parameter(p) for p in initial_params()]
-    cls = {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam}[name]
+    cls = {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OnebitLamb}[name]
     opt = cls(params, communicator=CompressedAllReduce(stats), **options)
     history, phases, step_bytes = [], [], []
     for step in range(1, steps + 1):
@@ -162,7 +162,11 @@ def engine_against_reference(optimizer: dict, steps: int, reference_options: dic
                         g[offset:offset + n] = named[name].grad.reshape(-1)
                 grads.append(g)
             return grads
-        simulate = {"OneBitAdam": reference.onebit_adam, "ZeroOneAdam": reference.zero_one_adam}[optimizer["type"]]
+        simulate = {"OneBitAdam": reference.onebit_adam, "ZeroOneAdam": reference.zero_one_adam,
+                    "OneBitLamb": reference.onebit_lamb}[optimizer["type"]]
+        if optimizer["type"] == "OneBitLamb":  # each unit is one master; its parameters are the layers
+            reference_options = {**reference_options,
+                                 "layers": [[(name, offset, offset + n) for name, offset, n in s] for s in slots]}
         out["reference"] = simulate(start, grad_fn, steps, world, **reference_options)
     return out
 

@@ -1,4 +1,4 @@
-"""1-bit Adam and 0/1 Adam through the engine on the tiny GPT (stage 0, gloo ranks).
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB through the engine on the tiny GPT (stage 0, gloo ranks).
 
 - the engine against the N-worker reference over the warm-up and the compressed stage;
 - the bytes of a compressed step against the fp32 all-reduce of the same model, counted by
@@ -19,6 +19,8 @@ CASES = {
     "ZeroOneAdam": ({"lr": 2e-3, "var_freeze_step": 6, "var_update_scaler": 2, "local_step_scaler": 2,
                      "local_step_clipper": 2}, {"lr": 2e-3, "var_freeze_step": 6, "var_update_scaler": 2,
                                                "local_step_scaler": 2, "local_step_clipper": 2}),
+    "OneBitLamb": ({"lr": 2e-3, "freeze_step": 4, "weight_decay": 0.01}, {"lr": 2e-3, "freeze_step": 4,
+                                                                            "weight_decay": 0.01}),
 }
 
 
@@ -101,4 +103,28 @@ def test_compressed_optimizers_converge_within_three_percent_of_the_same_update_
               f"{total[name] / total['uncompressed']:.3f}x ({total['uncompressed'] / total[name]:.1f}x less)")
         assert runs[name]["phase"] == "compressed"
         assert final[name] <= 1.03 * final["uncompressed"], final
+    assert final["uncompressed"] < 0.5 * runs["uncompressed"]["losses"][0]  # the task is learnt
+
+
+def test_onebit_lamb_converges_within_three_percent_of_lamb():
+    """The same task for 1-bit LAMB against its own warm-up update run uncompressed to the end
+    (DeepSpeed's LAMB: no bias correction, the trust ratio clamped per parameter), freezing at
+    15% of the steps. raydeep's ``Lamb`` (FusedLamb's update) is printed beside them."""
+    from tests.dist.compression_workloads import converge
+
+    common = {"lr": 2e-2, "betas": BETAS}
+    optimizers = {
+        "uncompressed": {"type": "OneBitLamb", "params": {**common, "freeze_step": 10 ** 9}},
+        "OneBitLamb": {"type": "OneBitLamb", "params": {**common, "freeze_step": 45}},
+        "Lamb": {"type": "Lamb", "params": common},
+    }
+    runs = run_ranks(converge, 4, optimizers, CONVERGENCE_STEPS, 4)[0]
+    final = {k: sum(v["losses"][-20:]) / 20 for k, v in runs.items()}
+    total = {k: sum(op["bytes"] for op in v["comm"].values()) for k, v in runs.items()}
+    print(f"OneBitLamb: final loss {final['OneBitLamb']:.4f} vs {final['uncompressed']:.4f} uncompressed "
+          f"({final['OneBitLamb'] / final['uncompressed'] - 1:+.2%}; raydeep Lamb {final['Lamb']:.4f}); bytes over "
+          f"the run {total['OneBitLamb'] / total['uncompressed']:.3f}x "
+          f"({total['uncompressed'] / total['OneBitLamb']:.1f}x less)")
+    assert runs["OneBitLamb"]["phase"] == "compressed" and runs["uncompressed"]["phase"] == "warm-up"
+    assert final["OneBitLamb"] <= 1.03 * final["uncompressed"], final
     assert final["uncompressed"] < 0.5 * runs["uncompressed"]["losses"][0]  # the task is learnt

@@ -1,4 +1,4 @@
-"""1-bit Adam and 0/1 Adam on gloo ranks against the N-worker reference (``raydeep.compression.reference``).
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB on gloo ranks against the N-worker reference (``raydeep.compression.reference``).
 
 The gradients are dyadic (``dyadic_grads``), so the exact averages are the same bits on the ranks
 and in the reference; everything after runs the same torch operations on the same shapes, so the
@@ -24,6 +24,8 @@ CASES = {
                     reference.zero_one_adam,
                     {"lr": 1e-2, "var_freeze_step": 8, "var_update_scaler": 2, "local_step_scaler": 2,
                      "local_step_clipper": 4}),
+    "onebitlamb": ({"lr": 1e-2, "freeze_step": 5, "weight_decay": 0.01, "factor_threshold": 0.3},
+                   reference.onebit_lamb, {"lr": 1e-2, "freeze_step": 5, "weight_decay": 0.01, "factor_threshold": 0.3}),
 }
 
 
@@ -38,7 +40,7 @@ def test_distributed_optimizer_matches_the_n_worker_reference(name, world):
         for a, b in zip(mine, theirs):
             assert torch.allclose(a, b, rtol=0, atol=1e-6), f"step {step}: {(a - b).abs().max()}"
     assert "compressed" in ranks[0]["phases"] and ranks[0]["phases"][:2] == ["warm-up", "warm-up"]
-    if name == "onebitadam":  # every rank holds the same parameters
+    if name in ("onebitadam", "onebitlamb"):  # every rank holds the same parameters
         for other in ranks[1:]:
             assert all(torch.equal(a, b) for a, b in zip(other["history"][-1], got[-1]))
 

@@ -44,28 +44,13 @@ import math
 import pytest
 import torch
 
+from tests.dist.adam_bounds import (FP32_UNIT, ORDER_FACTOR, PARAM_ROUNDINGS, adam_step_bound,
+                                    sensitivity)
 from tests.dist.harness import run_ranks
 from tests.dist.workloads import sweep, train_reference
 
-STEPS, MICRO, LR, BETAS = 6, 2, 1e-3, (0.9, 0.999)  # LR and BETAS: workloads.config's AdamW
+STEPS, MICRO, LR = 6, 2, 1e-3  # LR: workloads.config's AdamW
 STAGES, GAS = (0, 1, 2, 3), (1, 4)
-ORDER_FACTOR = 10  # how much worse than the probe another valid summation order may round
-FP32_UNIT = 2.0 ** -24  # fp32 unit roundoff: one rounding moves a value by at most this fraction
-PARAM_ROUNDINGS = 2  # of the fp32 parameter per step: weight decay's multiply, the update's add
-
-
-def adam_step_bound(t: int) -> float:
-    """``U_t``: the largest ``|m_hat_t| / sqrt(v_hat_t)`` over all gradient histories (Cauchy-Schwarz)."""
-    b1, b2 = BETAS
-    ratio = sum((b1 * b1 / b2) ** k for k in range(t))
-    return math.sqrt(1 - b2 ** t) / (1 - b1 ** t) * (1 - b1) / math.sqrt(1 - b2) * math.sqrt(ratio)
-
-
-def sensitivity(t: int) -> float:
-    """``C_t``: the sum over s <= t of ``|du_t / dg_s|``, times ``sqrt(v_hat_t) + eps``."""
-    b2 = BETAS[1]
-    sqrt_weights = sum(math.sqrt((1 - b2) * b2 ** (t - s) / (1 - b2 ** t)) for s in range(1, t + 1))
-    return 1 + adam_step_bound(t) * sqrt_weights
 
 
 def element_bounds(oracle: dict, probe: dict) -> tuple[dict[str, torch.Tensor], int]:

@@ -372,7 +372,8 @@ ADAM = {"type": "AdamW", "params": {"lr": 1e-3}}
       "zero_optimization": {"stage": 1}}, "zero_optimization.stage", "1bit-Adam is not compatible with ZeRO"),
     ({"optimizer": {"type": "ZeroOneAdam", "params": {}}, "zero_optimization": {"stage": 2}},
      "zero_optimization.stage", "0/1 Adam is not compatible with ZeRO"),
-    ({"optimizer": {"type": "OneBitLamb", "params": {}}}, "optimizer.type", "OneBitLamb is not built"),
+    ({"optimizer": {"type": "OneBitLamb", "params": {}}, "zero_optimization": {"stage": 1}},
+     "zero_optimization.stage", "1-bit Lamb is not compatible with ZeRO"),
     ({"optimizer": ADAM, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
      "scheduler.params.total_num_steps", "required"),
     ({"optimizer": ADAM, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}},
@@ -409,7 +410,8 @@ def test_several_problems_are_reported_together():
     assert len(info.value.errors) == 2
 
 
-@pytest.mark.parametrize("name, params", [("OneBitAdam", {"freeze_step": 100}), ("ZeroOneAdam", {"var_freeze_step": 100})])
+@pytest.mark.parametrize("name, params", [("OneBitAdam", {"freeze_step": 100}), ("ZeroOneAdam", {"var_freeze_step": 100}),
+                                          ("OneBitLamb", {"freeze_step": 100, "coeff_beta": 0.8})])
 def test_compressed_communication_optimizers_load_at_stage_0_and_warn_outside_fp16(name, params, caplog):
     cfg = load({**BASE, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0},
                 "optimizer": {"type": name, "params": {"lr": 1e-3, **params}}})
@@ -421,10 +423,10 @@ def test_compressed_communication_optimizers_load_at_stage_0_and_warn_outside_fp
     assert "only verified under FP16" in text and "comm_backend_name 'mpi'" in text and "cuda_aware" in text
 
 
-def test_onebit_lamb_is_refused_at_load_naming_what_to_use():
-    err = error_of({**BASE, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 100}}})
-    assert err.key == "optimizer.type" and err.value == "OneBitLamb"
-    assert "not built" in str(err) and '"OneBitAdam"' in err.fix and '"Lamb"' in err.fix
+def test_onebit_lamb_loads_with_its_coefficient_params():
+    cfg = load({**BASE, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 100,
+                                                                       "max_coeff": 0.3, "factor_threshold": 0.2}}})
+    assert cfg.optimizer.type == "OneBitLamb"
 
 
 def test_adam_means_adamw_unless_adam_w_mode_false():

@@ -4,7 +4,7 @@
 Hugging Face integration would fill in for ``"auto"``) and the resolved values to check. A file
 added to ``jobs/configs/`` without an entry here fails ``test_every_corpus_file_has_an_entry``.
 
-Files that use a feature raydeep refuses (1-bit Adam, 0/1 Adam) stay as users
+Files that use a feature raydeep refuses stay as users
 have them: without ``fixes`` they must be refused naming that key, and with ``fixes`` (the change the
 refusal's fix asks for) they load.
 """
@@ -82,13 +82,17 @@ CORPUS: dict[str, Entry] = {
     "megatron_gpt_bf16_zero1.json": Entry(
         32, batch=(512, 4, 4), stage=1, precision="bf16",
         extra={"grad_accum_dtype": "fp32", "steps_per_print": 10, "wall_clock_breakdown": False}),
-    # 1-bit Adam and 0/1 Adam (compressed communication) load as written.
+    # 1-bit Adam, 0/1 Adam and 1-bit LAMB (compressed communication) load as written.
     "bert_onebit_adam.json": Entry(
         64, batch=(4096, 16, 4), stage=0, precision="fp16", optimizer="OneBitAdam",
         extra={"optimizer.params.lr": 4e-4, "optimizer.params.freeze_step": 23000, "fp16.loss_scale_window": 1000}),
     "bert_zero_one_adam.json": Entry(
         32, batch=(4096, 16, 8), stage=0, precision="fp16", optimizer="ZeroOneAdam", scheduler="WarmupLR",
         extra={"optimizer.params.lr": 1e-3, "optimizer.params.var_freeze_step": 23000}),
+    "bert_onebit_lamb.json": Entry(
+        64, batch=(65536, 64, 16), stage=0, precision="fp16", optimizer="OneBitLamb",
+        extra={"optimizer.params.freeze_step": 1000, "optimizer.params.max_coeff": 0.3,
+               "optimizer.params.factor_threshold": 0.1}),
     "seed_175b_zero3_offload.json": Entry(
         1, batch=(1024, 8, 128), stage=3, precision="fp32", optimizer="AdamW", scheduler="WarmupLR",
         extra={"zero_optimization.offload_optimizer.device": "cpu",

@@ -145,20 +145,8 @@ def test_cpu_optimizer_keys_are_stripped_for_lion_and_adagrad():
 
 
 # --------------------------------------------------------------------------- 1-bit family
-def test_onebit_lamb_is_refused_naming_the_type_and_what_to_use():
-    """1-bit LAMB is not built: refused when the config is resolved (at load), never later."""
-    with pytest.raises(ConfigError) as info:
-        resolve_optimizer("OneBitLamb", {"lr": 2e-4, "freeze_step": 10})
-    err = info.value
-    assert err.key == "optimizer.type" and err.value == "OneBitLamb"
-    assert '"Lamb"' in err.fix and '"OneBitAdam"' in err.fix
-    resolve_optimizer("Lamb", {"lr": 2e-4})  # what the fix names resolves
-    with pytest.raises(NotImplementedError):
-        build_optimizer(resolve_compressed_optimizer("OneBitLamb", {}), [torch.nn.Parameter(torch.zeros(1))])
-
-
 @pytest.mark.parametrize("type_name, cls", [("OneBitAdam", "OnebitAdam"), ("ZeroOneAdam", "ZeroOneAdam"),
-                                            ("onebitadam", "OnebitAdam")])
+                                            ("onebitadam", "OnebitAdam"), ("OneBitLamb", "OnebitLamb")])
 def test_onebit_family_resolves_to_raydeeps_optimizers(type_name, cls):
     spec = resolve_optimizer(type_name, {"lr": 2e-4})
     assert spec.cls.__name__ == cls and spec.name == type_name.lower() and spec.adamw_mode is None
