@@ -84,7 +84,9 @@ def rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch) -> Pending:
+def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, tensor=None, group=None) -> Pending:
+    if tensor is not None:
+        check_device(op, tensor, dist.get_backend(group))
     start = time.perf_counter()
     work = launch(async_op)
     if stats is not None:
@@ -99,7 +101,7 @@ def all_reduce(tensor: torch.Tensor, stats: CommStats | None = None, op=None, gr
         return Pending(None, None, "all_reduce")
     reduce_op = dist.ReduceOp.SUM if op is None else op
     return _run("all_reduce", tensor.numel() * tensor.element_size(), stats, async_op,
-                lambda a: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=a))
+                lambda a: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=a), tensor, group)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
@@ -109,7 +111,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats |
         output.copy_(input)
         return Pending(None, None, "reduce_scatter")
     return _run("reduce_scatter", input.numel() * input.element_size(), stats, async_op,
-                lambda a: _REDUCE_SCATTER(output, input, group=group, async_op=a))
+                lambda a: _REDUCE_SCATTER(output, input, group=group, async_op=a), input, group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
@@ -119,7 +121,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | Non
         output.copy_(input)
         return Pending(None, None, label)
     return _run(label, output.numel() * output.element_size(), stats, async_op,
-                lambda a: _ALL_GATHER(output, input, group=group, async_op=a))
+                lambda a: _ALL_GATHER(output, input, group=group, async_op=a), input, group)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
@@ -130,7 +132,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | Non
         output.copy_(input)
         return
     _run(label, input.numel() * input.element_size(), stats, False,
-         lambda a: dist.all_to_all_single(output, input, group=group, async_op=a))
+         lambda a: dist.all_to_all_single(output, input, group=group, async_op=a), input, group)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None, group=None) -> None:
@@ -138,13 +140,27 @@ def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None
     if world_size(group) == 1:
         return
     _run("broadcast", tensor.numel() * tensor.element_size(), stats, False,
-         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a))
+         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), tensor, group)
 
 
-def all_reduce_scalar(value: float, op: str = "sum", stats: CommStats | None = None, group=None) -> float:
-    """All-reduce one float64 scalar (norms, overflow flags) and return it."""
-    t = torch.tensor([value], dtype=torch.float64)
+def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | None = None, group=None) -> float:
+    """All-reduce one scalar tensor (a norm, an overflow flag) where it lives and read it: the
+    step's host synchronization. It stays on its device because NCCL reduces CUDA tensors only.
+
+    >>> all_reduce_value(torch.tensor(2.5, dtype=torch.float64), "max")
+    2.5
+    """
+    t = value.reshape(1)
     if world_size(group) > 1:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         all_reduce(t, stats, op=reduce_op, group=group)
     return float(t.item())
+
+
+def check_device(op: str, tensor: torch.Tensor, backend: str) -> None:
+    """NCCL moves CUDA tensors only: a CPU tensor there fails deep inside torch.distributed (or,
+    with some builds, hangs), so name the op and the tensor's device instead."""
+    if backend == "nccl" and tensor.device.type != "cuda":
+        raise RuntimeError(f"raydeep: {op} of a {tensor.device.type} tensor {tuple(tensor.shape)} "
+                           f"{tensor.dtype} on an NCCL process group; collectives take tensors on the "
+                           "engine's CUDA device")

@@ -51,6 +51,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     env.setdefault("MASTER_PORT", str(distributed_port))
     env.setdefault("LOCAL_RANK", env.get("LOCAL_RANK", "0"))
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        _device()  # set this rank's device before the group: NCCL binds its communicator to it
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from raydeep import comm
 from raydeep.checkpoint import Checkpointer
 from raydeep.optim.clip import clip_coefficient
-from raydeep.precision.loss_scaler import has_overflow
+from raydeep.precision.loss_scaler import overflow_flag
 
 logger = logging.getLogger("raydeep")
 
@@ -137,25 +137,29 @@ class Engine(nn.Module):
         self._report_progress()
 
     def _any_rank_overflowed(self, own_grads: bool = False) -> bool:
-        local = has_overflow([unit.grad for unit in self.strategy.units])
+        flag = overflow_flag([unit.grad for unit in self.strategy.units])
+        if flag is None:
+            return False
         if self.strategy.sharded_grads or own_grads:
-            return comm.all_reduce_scalar(float(local), "max", self.stats) > 0
-        return local
+            return comm.all_reduce_value(flag.to(torch.float64), "max", self.stats) > 0
+        return bool(flag)
 
     def _global_norm(self, own_grads: bool = False) -> float:
         """The gradient norm every rank clips with. With each rank's own gradients (a compressed
         stage) it is the largest rank's norm: DeepSpeed clipped each rank by its own, which can
         differ; the largest keeps every rank within the clip and the ranks in agreement."""
-        sq = self.strategy.grad_sq_norm()
+        sq = self.strategy.grad_sq_norm()  # on the device; read once, below
         if self.strategy.sharded_grads:
-            sq = comm.all_reduce_scalar(sq, "sum", self.stats)
+            total = comm.all_reduce_value(sq, "sum", self.stats)
         elif own_grads:  # non-finite as +inf: a NaN may lose a MAX comparison
-            sq = comm.all_reduce_scalar(sq if math.isfinite(sq) else math.inf, "max", self.stats)
-        return math.sqrt(sq) if math.isfinite(sq) else float("nan")
+            total = comm.all_reduce_value(torch.where(sq.isfinite(), sq, math.inf), "max", self.stats)
+        else:
+            total = float(sq)
+        return math.sqrt(total) if math.isfinite(total) else float("nan")
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """Run one full optimizer step (GAS micro-batches from ``data_iter``); returns the mean loss."""
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)  # on the device: no host sync per micro-batch
         for _ in range(self.settings.grad_accum):
             batch = next(data_iter)
             loss = self(*batch) if isinstance(batch, (tuple, list)) else self(batch)

@@ -331,6 +331,13 @@ def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> bool:
         >>> has_overflow([torch.ones(3), None]), has_overflow([torch.tensor([1.0, float("inf")])])
         (False, True)
     """
+    found = overflow_flag(tensors)
+    return bool(found) if found is not None else False
+
+
+def overflow_flag(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> torch.Tensor | None:
+    """``has_overflow`` without the host synchronization: a bool tensor on the tensors' device
+    (None when there are none), which the engine all-reduces there before reading it once."""
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
     found: torch.Tensor | None = None
@@ -339,4 +346,4 @@ def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> bool:
             continue
         flag = _tensor_has_inf_or_nan(t.detach())
         found = flag if found is None else found.logical_or(flag.to(found.device))
-    return bool(found) if found is not None else False
+    return found

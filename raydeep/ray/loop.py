@@ -142,7 +142,8 @@ def _train_step(engine, dataset, order: SampleOrder, rank: int, world: int, micr
     """One optimizer step: this rank's micro batches of the step's global batch; returns the loss
     averaged over every micro batch of every rank (the global batch's mean) and this rank's ids."""
     step_start, grad_accum = engine.global_samples, engine.gradient_accumulation_steps()
-    ids, loss_sum = [], 0.0
+    # The losses add up on the device: reading each one would stall the host every micro-step.
+    ids, loss_sum = [], torch.zeros(1, dtype=torch.float64, device=engine.device)
     for k in range(grad_accum):
         positions = micro_positions(step_start, k, rank, world, micro)
         batch_ids = order.ids(positions.start, len(positions))
@@ -150,12 +151,11 @@ def _train_step(engine, dataset, order: SampleOrder, rank: int, world: int, micr
         loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()
-        loss_sum += float(loss.detach())
+        loss_sum += loss.detach().double()
         ids.append(batch_ids)
-    total = torch.tensor([loss_sum], dtype=torch.float64, device=engine.device)
     if world > 1:
-        dist.all_reduce(total)  # on the engine's device: NCCL reduces only CUDA tensors
-    return float(total) / (grad_accum * world), np.concatenate(ids)
+        dist.all_reduce(loss_sum)  # on the engine's device: NCCL reduces only CUDA tensors
+    return float(loss_sum) / (grad_accum * world), np.concatenate(ids)
 
 
 def _gather_step_ids(my_ids: np.ndarray, world: int, micro: int, device: torch.device) -> np.ndarray:

@@ -92,12 +92,10 @@ class ZeroStrategy:
             finish()
         self._pending.clear()
 
-    def grad_sq_norm(self) -> float:
-        """Sum of squares of this rank's owned gradients, in float64."""
-        total = torch.zeros((), dtype=torch.float64)
-        for unit in self.units:
-            total += unit.grad.double().pow(2).sum()
-        return float(total)
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's owned gradients: a float64 scalar tensor on their device
+        (the engine reduces it there and reads it once per step)."""
+        return sum_of_squares([unit.grad for unit in self.units])
 
     def publish(self) -> None:
         """Make the updated shards (each ``unit.local``) visible as full parameters. At stage 0
@@ -263,3 +261,18 @@ def _gather_all(units: list[FlatUnit], stats: comm.CommStats) -> None:
     """All-gather every unit's updated shard into its full buffer."""
     for unit in units:
         comm.all_gather(unit.full, unit.local.clone(), stats)
+
+
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``sum(t.double().pow(2).sum())`` in the given order, accumulated in a float64 scalar on the
+    tensors' device: a CPU accumulator would take a CUDA value in place (an error on CUDA) and cost
+    a host synchronization per tensor.
+
+    >>> sum_of_squares([torch.ones(3), torch.full((2,), 2.0)]).item()
+    11.0
+    """
+    device = tensors[0].device if tensors else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        total += t.double().pow(2).sum()
+    return total

@@ -67,7 +67,7 @@ def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / gas
-        total = torch.tensor([step_loss], dtype=torch.float64)
+        total = torch.tensor([step_loss], dtype=torch.float64, device=engine.device)  # NCCL: CUDA only
         dist.all_reduce(total)
         losses.append(total.item() / world)
     return losses

@@ -1,0 +1,91 @@
+"""Device discipline of the hot-path helpers, checked on a CPU-only machine with fake CUDA tensors.
+
+``FakeTensorMode`` makes tensors that claim to live on ``cuda`` and raises when an op mixes them
+with real CPU tensors the way CUDA would, which is how the bugs below would have failed on a GPU:
+
+- the gradient norm accumulated CUDA values into a CPU float64 tensor, in place;
+- ``train_batch`` summed CUDA losses into a CPU scalar;
+- scalars reached NCCL built on the CPU (NCCL moves CUDA tensors only): every collective now
+  checks its tensor's device against the group's backend and names the op.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raydeep import comm
+from raydeep.precision.loss_scaler import overflow_flag
+from raydeep.zero.strategy import sum_of_squares
+
+
+@pytest.fixture
+def fake_cuda():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        probe = torch.empty(4, device="cuda")
+    assert probe.device.type == "cuda"
+    return mode
+
+
+def _grads():
+    return [torch.empty(10, device="cuda"), torch.empty(7, device="cuda", dtype=torch.bfloat16)]
+
+
+def test_fake_mode_catches_a_cpu_accumulator_of_cuda_values(fake_cuda):
+    """The control: the pattern the engine used to have fails under the fake mode, as on a GPU."""
+    with fake_cuda:
+        total = torch.zeros((), dtype=torch.float64)
+        with pytest.raises(RuntimeError, match="wrong device"):
+            for g in _grads():
+                total += g.double().pow(2).sum()
+
+
+def test_gradient_norm_accumulates_on_the_gradients_device(fake_cuda):
+    with fake_cuda:
+        total = sum_of_squares(_grads())
+    assert total.device.type == "cuda" and total.dtype == torch.float64 and total.dim() == 0
+
+
+def test_overflow_flag_stays_on_the_device(fake_cuda):
+    with fake_cuda:
+        flag = overflow_flag(_grads() + [None])
+    assert flag.device.type == "cuda" and flag.dtype == torch.bool
+
+
+def test_the_reduced_value_is_built_where_the_norm_lives(fake_cuda):
+    """What the engine hands ``all_reduce_value``: the norm (or +inf) on the device, never a host
+    float turned back into a CPU tensor."""
+    import math
+
+    with fake_cuda:
+        sq = sum_of_squares(_grads())
+        finite_or_inf = torch.where(sq.isfinite(), sq, math.inf).reshape(1)
+        flag = overflow_flag(_grads()).to(torch.float64).reshape(1)
+    assert finite_or_inf.device.type == "cuda" and flag.device.type == "cuda"
+
+
+def test_collectives_refuse_cpu_tensors_on_nccl_naming_the_op():
+    with pytest.raises(RuntimeError, match=r"all_reduce of a cpu tensor \(1,\) torch.float64 on an NCCL"):
+        comm.check_device("all_reduce", torch.zeros(1, dtype=torch.float64), "nccl")
+    comm.check_device("all_reduce", torch.zeros(1), "gloo")  # gloo takes CPU tensors
+
+
+def test_collectives_accept_cuda_tensors_on_nccl(fake_cuda):
+    with fake_cuda:
+        t = torch.empty(3, device="cuda")
+    comm.check_device("reduce_scatter", t, "nccl")
+
+
+def test_gradient_copy_into_the_masters_stays_on_the_device(fake_cuda):
+    """The optimizer tier's copy of a bf16 gradient shard into fp32, times the one scale, on the
+    masters' device (the local tier on a GPU rank)."""
+    from raydeep.tier.masters import MasterShards, plan_sub_groups
+
+    with fake_cuda:
+        master = torch.empty(64, device="cuda")
+        shards = MasterShards(plan_sub_groups([64], [0], 10 ** 9), [master], [{}],
+                              lambda groups: torch.optim.SGD(groups, lr=0.1))
+        grad = shards._fp32_grad(shards.params[0], torch.empty(64, device="cuda", dtype=torch.bfloat16), 0.5)
+    assert grad.device.type == "cuda" and grad.dtype == torch.float32
