@@ -3,7 +3,10 @@
 Every collective the engine issues goes through here, so ``CommStats`` can prove ZeRO's
 communication volume (bytes are the full logical tensor: the all-reduced tensor, the
 reduce-scatter input, the all-gather output) and measure how much of it training waits for.
-With one rank (or no process group) the ops are no-ops and move nothing.
+With one rank (or no process group) the ops are no-ops and move nothing, unless
+``RAYDEEP_COLLECTIVES_AT_WORLD_1=1`` and a process group exists: then one rank runs every
+collective for real, so a single GPU exercises the whole NCCL path (a one-rank NCCL group works;
+two ranks cannot share a GPU).
 
 >>> stats = CommStats()
 >>> t = all_reduce(torch.ones(4), stats)
@@ -12,6 +15,7 @@ With one rank (or no process group) the ops are no-ops and move nothing.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -84,6 +88,14 @@ def rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
+def _skip(group) -> bool:
+    """Nothing to move: one rank, and collectives are not forced at world size 1."""
+    if world_size(group) > 1:
+        return False
+    return not (os.environ.get("RAYDEEP_COLLECTIVES_AT_WORLD_1") == "1" and dist.is_available()
+                and dist.is_initialized())
+
+
 def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, tensor=None, group=None) -> Pending:
     if tensor is not None:
         check_device(op, tensor, dist.get_backend(group))
@@ -97,7 +109,7 @@ def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, 
 def all_reduce(tensor: torch.Tensor, stats: CommStats | None = None, op=None, group=None,
                async_op: bool = False) -> Pending:
     """Sum (or ``op``) ``tensor`` in place across ranks."""
-    if world_size(group) == 1:
+    if _skip(group):
         return Pending(None, None, "all_reduce")
     reduce_op = dist.ReduceOp.SUM if op is None else op
     return _run("all_reduce", tensor.numel() * tensor.element_size(), stats, async_op,
@@ -107,7 +119,7 @@ def all_reduce(tensor: torch.Tensor, stats: CommStats | None = None, op=None, gr
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
                    async_op: bool = False) -> Pending:
     """Sum ``input`` across ranks and keep this rank's equal chunk in ``output``."""
-    if world_size(group) == 1:
+    if _skip(group):
         output.copy_(input)
         return Pending(None, None, "reduce_scatter")
     return _run("reduce_scatter", input.numel() * input.element_size(), stats, async_op,
@@ -117,7 +129,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats |
 def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
                async_op: bool = False, label: str = "all_gather") -> Pending:
     """Concatenate every rank's equal-size ``input`` into ``output`` (counted under ``label``)."""
-    if world_size(group) == 1:
+    if _skip(group):
         output.copy_(input)
         return Pending(None, None, label)
     return _run(label, output.numel() * output.element_size(), stats, async_op,
@@ -128,7 +140,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | Non
                label: str = "all_to_all") -> None:
     """Send chunk ``j`` of ``input`` (split evenly along dim 0) to rank ``j``; chunk ``i`` of
     ``output`` is what rank ``i`` sent here. Counted as ``input``'s bytes."""
-    if world_size(group) == 1:
+    if _skip(group):
         output.copy_(input)
         return
     _run(label, input.numel() * input.element_size(), stats, False,
@@ -137,7 +149,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | Non
 
 def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None, group=None) -> None:
     """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
-    if world_size(group) == 1:
+    if _skip(group):
         return
     _run("broadcast", tensor.numel() * tensor.element_size(), stats, False,
          lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), tensor, group)
@@ -151,7 +163,7 @@ def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | No
     2.5
     """
     t = value.reshape(1)
-    if world_size(group) > 1:
+    if not _skip(group):
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         all_reduce(t, stats, op=reduce_op, group=group)
     return float(t.item())
