@@ -22,6 +22,7 @@ the manifest: loading never unpickles.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -70,9 +71,42 @@ class PackedFile:
         for kind, values in by_kind.items():
             self._chunks.setdefault(kind, []).append(values.detach().reshape(-1))
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """One copy of every piece (so later updates to the sources do not reach the file)."""
-        return {kind: torch.cat(chunks) if chunks else torch.zeros(0) for kind, chunks in self._chunks.items()}
+    def tensors(self, after: "torch.cuda.Event | None" = None) -> dict[str, torch.Tensor]:
+        """One copy of every piece, in host memory (so later updates to the sources do not reach
+        the file, and the writer reads host memory only).
+
+        Note: pieces on a CUDA device are copied into pinned host buffers on a side stream that
+        first waits for ``after`` (an event recorded on the stream that produced them), and this
+        returns once those copies are done. Nothing is duplicated in device memory.
+        """
+        on_cuda = any(c.device.type == "cuda" for chunks in self._chunks.values() for c in chunks)
+        stream = torch.cuda.Stream(device=_cuda_device(self._chunks)) if on_cuda and torch.cuda.is_available() else None
+        out = {}
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None and after is not None:
+                stream.wait_event(after)
+            for kind, chunks in self._chunks.items():
+                out[kind] = _to_host(chunks, pinned=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+        return out
+
+
+def _cuda_device(chunks: dict[str, list[torch.Tensor]]) -> torch.device:
+    return next(c.device for cs in chunks.values() for c in cs if c.device.type == "cuda")
+
+
+def _to_host(chunks: list[torch.Tensor], pinned: bool) -> torch.Tensor:
+    """The chunks back to back in one new host tensor (pinned for asynchronous device copies)."""
+    if not chunks:
+        return torch.zeros(0)
+    total = sum(c.numel() for c in chunks)
+    host = torch.empty(total, dtype=chunks[0].dtype, device="cpu", pin_memory=pinned)
+    offset = 0
+    for c in chunks:  # ``narrow``, not slicing: the FakeTensorMode tests follow it on CPU builds
+        host.narrow(0, offset, c.numel()).copy_(c, non_blocking=pinned)
+        offset += c.numel()
+    return host
 
 
 def default_tag(global_steps: int) -> str:

@@ -30,11 +30,15 @@ class RankSnapshot:
     manifest: dict = field(default_factory=dict)
     packed: fmt.PackedFile | None = None  # views of the live states, until ``copy_tensors``
     rank_local: dict[str, torch.Tensor] = field(default_factory=dict)  # the tier's rank_state, as views
+    # On CUDA: recorded on the training stream when the snapshot is taken, so the copies (maybe
+    # in the writer thread, on their own stream) start after the step that produced the states.
+    ready: "torch.cuda.Event | None" = None
 
     def copy_tensors(self) -> None:
-        """Copy the states the snapshot points at (once). Until then they must not change."""
+        """Copy the states the snapshot points at into host memory (once). Until then they must
+        not change."""
         if self.packed is not None:
-            self.tensors, self.packed = self.packed.tensors(), None
+            self.tensors, self.packed = self.packed.tensors(after=self.ready), None
             self.tensors.update({fmt.RANK_LOCAL + name: t.detach().to("cpu", copy=True)
                                  for name, t in self.rank_local.items()})
             self.rank_local = {}
@@ -85,6 +89,9 @@ def take(engine, client_state: dict | None, static: dict | None = None) -> RankS
                         for slot, s, e in pieces_in(unit, piece.start, piece.end)], by_kind)
     snap.packed, snap.pieces = packed, packed.pieces
     snap.rank_local = engine.tier.rank_state()
+    if engine.device.type == "cuda":
+        snap.ready = torch.cuda.Event()
+        snap.ready.record(torch.cuda.current_stream(engine.device))
     if engine.rank == 0:
         snap.manifest = {**(static if static is not None else static_state(engine)), **_dynamic_state(engine, state)}
         snap.extra = _extra_tensors(engine, client_state or {})

@@ -89,3 +89,29 @@ def test_gradient_copy_into_the_masters_stays_on_the_device(fake_cuda):
                               lambda groups: torch.optim.SGD(groups, lr=0.1))
         grad = shards._fp32_grad(shards.params[0], torch.empty(64, device="cuda", dtype=torch.bfloat16), 0.5)
     assert grad.device.type == "cuda" and grad.dtype == torch.float32
+
+
+def test_checkpoint_pieces_are_staged_into_host_memory(fake_cuda):
+    """A rank file's tensors come out on the host whatever device the states live on: ``encode``
+    reads them with ``.numpy()``, which a CUDA tensor refuses (the save failed on every GPU)."""
+    from raydeep.checkpoint import format as fmt
+
+    with fake_cuda:
+        packed = fmt.PackedFile()
+        packed.add_run([("w", 0, 6)], {"fp32": torch.empty(6, device="cuda"),
+                                       "exp_avg": torch.empty(6, device="cuda")})
+        packed.add("b", 0, 2, {"fp32": torch.empty(2, device="cuda"), "exp_avg": torch.empty(2, device="cuda")})
+        staged = packed.tensors()
+    assert {k: (t.device.type, t.shape[0]) for k, t in staged.items()} == {"fp32": ("cpu", 8), "exp_avg": ("cpu", 8)}
+
+
+def test_staged_pieces_are_copies_in_order():
+    from raydeep.checkpoint import format as fmt
+
+    a, b = torch.arange(4.0), torch.arange(10.0, 13.0)
+    packed = fmt.PackedFile()
+    packed.add("a", 0, 4, {"fp32": a})
+    packed.add("b", 0, 3, {"fp32": b})
+    staged = packed.tensors()["fp32"]
+    a.add_(100)  # a later update does not reach the file
+    assert staged.tolist() == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0]
