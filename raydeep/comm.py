@@ -169,6 +169,17 @@ def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | No
     return float(t.item())
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a collective's tensors must live: this rank's CUDA device on an NCCL group, else the CPU.
+
+    >>> collective_device()  # no process group here
+    device(type='cpu')
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def check_device(op: str, tensor: torch.Tensor, backend: str) -> None:
     """NCCL moves CUDA tensors only: a CPU tensor there fails deep inside torch.distributed (or,
     with some builds, hangs), so name the op and the tensor's device instead."""

@@ -100,7 +100,8 @@ def partition(p: nn.Parameter, dtype: torch.dtype | None = None, shard_device=No
     """Make every rank hold rank 0's values (as DeepSpeed's Init does), keep this rank's slice, and
     replace the parameter's data by a placeholder. Collective: call on every rank in the same order."""
     data = p.data if dtype is None or not p.is_floating_point() else p.data.to(dtype)
-    data = data.contiguous()
+    # A parameter built on the CPU meets NCCL on this rank's GPU (NCCL moves CUDA tensors only).
+    data = data.to(comm.collective_device()).contiguous()
     comm.broadcast(data, 0, stats)
     shard = _cut(data.reshape(-1), comm.rank(), comm.world_size())
     if shard_device is not None:
@@ -111,14 +112,15 @@ def partition(p: nn.Parameter, dtype: torch.dtype | None = None, shard_device=No
     p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
     p.ds_tensor = shard
     p._raydeep_stage3 = PARTITIONS  # lets zero.GatheredParameters find who can gather it
-    _set_placeholder(p, placeholder(p.shape, data.dtype, data.device))
+    _set_placeholder(p, placeholder(p.shape, data.dtype, p.data.device))
 
 
 def gather(p: nn.Parameter) -> torch.Tensor:
     """The full parameter from every rank's slice (one all-gather); collective."""
-    world = comm.world_size()
-    out = torch.empty(world * p.ds_tensor.numel(), dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
-    comm.all_gather(out, p.ds_tensor.contiguous())
+    world, device = comm.world_size(), comm.collective_device()
+    # Slices kept in host memory (remote_device="cpu") travel through the collective's device.
+    out = torch.empty(world * p.ds_tensor.numel(), dtype=p.ds_tensor.dtype, device=device)
+    comm.all_gather(out, p.ds_tensor.to(device).contiguous())
     return out[:p.ds_numel].view(p.ds_shape).to(p.ds_placeholder.device)
 
 
@@ -130,7 +132,7 @@ def materialize(p: nn.Parameter) -> None:
 
 def write_back(p: nn.Parameter, src: int = 0) -> None:
     """Broadcast the gathered ``p`` from ``src`` and keep this rank's slice of it; collective."""
-    full = p.data.contiguous()
+    full = p.data.to(comm.collective_device()).contiguous()
     comm.broadcast(full, src)
     _cut(full.reshape(-1).to(p.ds_tensor.device, p.ds_tensor.dtype), comm.rank(), comm.world_size(), out=p.ds_tensor)
 
