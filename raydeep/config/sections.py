@@ -265,6 +265,10 @@ class RaydeepSection(Section):
     # Empty the accelerator allocator's cache every N optimizer steps (0: never). The field
     # report's advice against fragmentation in long runs; it does nothing on a CPU.
     empty_cache_every: int = Field(0, ge=0)
+    # After this many consecutive steps skipped for fp16 overflow, log which parameters' gradients
+    # overflowed first, the loss-scale history and what to try (0: never). The same diagnosis is
+    # attached to the minimum-scale exception whatever this is.
+    overflow_diagnosis_after: int = Field(5, ge=0)
     seed: int = 1234
     # engine.save_checkpoint writes in a background thread (training continues; the next save waits).
     checkpoint_async: Flag = False

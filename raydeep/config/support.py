@@ -299,6 +299,7 @@ SUPPORT: dict[str, Support] = {
     "raydeep.offload_actors_per_rank": read(TIERS),
     "raydeep.offload_actor_cpus": read(TIERS),
     "raydeep.empty_cache_every": read(BUILDER, ENGINE),
+    "raydeep.overflow_diagnosis_after": read(BUILDER, ENGINE),
     "raydeep.seed": refuse("is not read by raydeep: nothing is seeded from it",
                            "remove it and call torch.manual_seed(N) before building the model "
                            "(`raydeep train` takes --seed N)", 42),

@@ -64,7 +64,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         skip_nonfinite=cfg.precision != "bf16" or stage in (0, 3) or cfg.bf16.check_grad_overflow,
         compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
         comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown,
-        empty_cache_every=cfg.raydeep.empty_cache_every)
+        empty_cache_every=cfg.raydeep.empty_cache_every,
+        overflow_diagnosis_after=cfg.raydeep.overflow_diagnosis_after)
     return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
 
 

@@ -21,7 +21,8 @@ from torch import nn
 from raydeep import comm
 from raydeep.checkpoint import Checkpointer
 from raydeep.optim.clip import clip_coefficient
-from raydeep.precision.loss_scaler import overflow_flag
+from raydeep.precision.diagnosis import LossScaleCollapse, OverflowWatch
+from raydeep.precision.loss_scaler import MIN_SCALE_ERROR, overflow_flag
 
 logger = logging.getLogger("raydeep")
 
@@ -42,6 +43,7 @@ class EngineSettings:
     auto_cast: bool = False
     comms_logger: bool = False
     empty_cache_every: int = 0
+    overflow_diagnosis_after: int = 5
 
 
 class Engine(nn.Module):
@@ -73,6 +75,7 @@ class Engine(nn.Module):
         strategy.skip_reduction = tier.communicates_gradients
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        self.overflow_watch = OverflowWatch(settings.overflow_diagnosis_after)
 
     # --- forward / backward / step ------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -114,8 +117,15 @@ class Engine(nn.Module):
         else:  # no norm to read the overflow from: scan the gradients, as DeepSpeed does
             total_norm = None
             overflow = self.settings.skip_nonfinite and self._any_rank_overflowed(own_grads)
+        if self.settings.precision == "fp16":
+            self.overflow_watch.observe(self.global_steps + 1, overflow, scale, self.strategy.units)
         # The scaler first, as in DeepSpeed: at the minimum scale it raises before any counter moves.
-        self.loss_scaler.update_scale(overflow)
+        try:
+            self.loss_scaler.update_scale(overflow)
+        except Exception as err:
+            if str(err) != MIN_SCALE_ERROR:
+                raise
+            raise LossScaleCollapse(f"{MIN_SCALE_ERROR}\n{self.overflow_watch.describe()}") from None
         if overflow:
             self._global_grad_norm = float("inf")
             self.skipped_steps += 1

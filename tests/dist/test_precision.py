@@ -223,7 +223,10 @@ def _compare(name: str, ours: list[dict], theirs: list[dict]) -> None:
     assert len(ours) == len(theirs), f"{name}: {len(ours)} steps recorded, DeepSpeed {len(theirs)}:\n{ours}\n{theirs}"
     for step, (a, b) in enumerate(zip(ours, theirs)):
         if "error" in b:
-            assert a.get("error") == b["error"] and a["step"] == b["step"], f"{name} step {step}: {a} vs {b}"
+            # DeepSpeed's message first; raydeep adds its collapse diagnosis on the lines after it.
+            assert a.get("error", "").split("\n")[0] == b["error"] and a["step"] == b["step"], \
+                f"{name} step {step}: {a} vs {b}"
+            assert "loss scale collapse" in a["error"], a["error"]
             continue
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, f"{name} step {step}: {a} vs DeepSpeed {b}"
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12), f"{name} step {step}: lr {a['lr']} vs {b['lr']}"
