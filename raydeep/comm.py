@@ -163,9 +163,7 @@ def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | No
     2.5
     """
     t = value.reshape(1)
-    if not _skip(group):
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        all_reduce(t, stats, op=reduce_op, group=group)
+    all_reduce(t, stats, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
     return float(t.item())
 
 

@@ -79,8 +79,8 @@ class PackedFile:
         first waits for ``after`` (an event recorded on the stream that produced them), and this
         returns once those copies are done. Nothing is duplicated in device memory.
         """
-        on_cuda = any(c.device.type == "cuda" for chunks in self._chunks.values() for c in chunks)
-        stream = torch.cuda.Stream(device=_cuda_device(self._chunks)) if on_cuda and torch.cuda.is_available() else None
+        cuda = next((c.device for cs in self._chunks.values() for c in cs if c.device.type == "cuda"), None)
+        stream = torch.cuda.Stream(device=cuda) if cuda is not None and torch.cuda.is_available() else None
         out = {}
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None and after is not None:
@@ -90,10 +90,6 @@ class PackedFile:
         if stream is not None:
             stream.synchronize()
         return out
-
-
-def _cuda_device(chunks: dict[str, list[torch.Tensor]]) -> torch.device:
-    return next(c.device for cs in chunks.values() for c in cs if c.device.type == "cuda")
 
 
 def _to_host(chunks: list[torch.Tensor], pinned: bool) -> torch.Tensor:

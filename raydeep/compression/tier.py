@@ -47,17 +47,15 @@ class CompressedTier(LocalTier):
             self.optimizer.set_layers(self._parameter_ranges())
 
     def _parameter_ranges(self) -> dict:
-        """Per master chunk: each model parameter's name and ``[lo, hi)`` inside it."""
+        """Per master (one whole unit each, see ``__init__``): each model parameter's name and
+        ``[lo, hi)`` inside it."""
         out = {}
         for param, c in zip(self.shards.params, self.shards.chunks):
             unit = self.units[c.unit]
+            assert c.lo == 0 and c.hi == unit.local.numel(), "1-bit LAMB steps whole units"
             base = unit.layout.shard_range(unit.rank)[0]
-            ranges = []
-            for slot in unit.layout.slots:
-                lo, hi = max(slot.offset - base, c.lo), min(slot.offset + slot.numel - base, c.hi)
-                if lo < hi:
-                    ranges.append((slot.name, lo - c.lo, hi - c.lo))
-            out[param] = ranges
+            out[param] = [(slot.name, slot.offset + s - base, slot.offset + e - base)
+                          for slot, s, e in unit.layout.pieces_of_rank(unit.rank)]
         return out
 
     def communicates_gradients(self) -> bool:

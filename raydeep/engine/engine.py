@@ -122,7 +122,7 @@ class Engine(nn.Module):
         # The scaler first, as in DeepSpeed: at the minimum scale it raises before any counter moves.
         try:
             self.loss_scaler.update_scale(overflow)
-        except Exception as err:
+        except Exception as err:  # DeepSpeed's type (a plain Exception): its message tells it apart
             if str(err) != MIN_SCALE_ERROR:
                 raise
             raise LossScaleCollapse(f"{MIN_SCALE_ERROR}\n{self.overflow_watch.describe()}") from None

@@ -33,10 +33,9 @@ def nonfinite_parameters(units) -> list[str]:
     """The parameters whose gradient slice on this rank holds an inf or NaN, in unit order."""
     found = []
     for unit in units:
-        lo, hi = unit.layout.shard_range(unit.rank)
-        for slot in unit.layout.slots:
-            s, e = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if s < e and not torch.isfinite(unit.grad.narrow(0, s - lo, e - s)).all():
+        base = unit.layout.shard_range(unit.rank)[0]
+        for slot, s, e in unit.layout.pieces_of_rank(unit.rank):
+            if not torch.isfinite(unit.grad.narrow(0, slot.offset + s - base, e - s)).all():
                 found.append(slot.name)
     return found
 
