@@ -2,6 +2,7 @@
 
     raydeep config check ds_config.json --world-size 8 --set train_micro_batch_size_per_gpu=4
     raydeep estimate --params 7.5e9 --world-size 64 --stage 3
+    raydeep doctor ds_config.json --model gpt2-medium --world-size 8 --gpu-memory 80GB
     raydeep demo --steps 200
     raydeep train --num-workers 2 --steps 200 --name tiny   # Ray Train; re-run to resume
 
@@ -60,6 +61,50 @@ def _estimate(args: argparse.Namespace) -> int:
               f"ZeRO stage {args.stage}, {args.precision}{', optimizer offload' if args.offload else ''}")
         print(est.format_table())
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from raydeep.doctor import Cluster, diagnose, format_report
+    from raydeep.doctor.shape import parse_bytes
+
+    shape = _doctor_shape(args)
+    world = args.world_size or (args.nodes or 1) * (args.gpus_per_node or 1)
+    gpus_per_node = args.gpus_per_node or min(world, 8 if args.gpu_memory else world)
+    cluster = Cluster(world_size=world, gpus_per_node=gpus_per_node,
+                      device_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+                      host_memory=parse_bytes(args.cpu_memory) if args.cpu_memory else None)
+    report = diagnose(args.config, shape, cluster, overrides=args.set, on_device=not args.cpu)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return report.exit_code
+
+
+def _doctor_shape(args: argparse.Namespace):
+    from raydeep.doctor.shape import ModelShape
+    from raydeep.errors import InputError
+
+    counts = [args.params, args.layers, args.hidden, args.seq, args.vocab]
+    if args.model and any(v is not None for v in counts[:3]):
+        raise InputError("--model", "give the model either by name or by its sizes, not both", value=args.model,
+                         fix="drop --model, or drop --params/--layers/--hidden")
+    if args.model:
+        from raydeep.models.gpt import GPT_SIZES
+
+        if args.model in GPT_SIZES:
+            return ModelShape.from_gpt(args.model, seq=args.seq)
+        if ":" not in args.model:
+            raise InputError("--model", "is neither a built-in GPT size nor package.module:function", value=args.model,
+                             fix=f"use one of {', '.join(GPT_SIZES)} or pkg.module:fn")
+        import torch
+
+        from raydeep.ray.workload import build_model, sequence_shape
+
+        with torch.device("meta"):
+            model = build_model(args.model, 0)
+        return ModelShape.from_module(model, args.seq or sequence_shape(model)[0], name=args.model)
+    missing = [flag for flag, v in zip(("--params", "--layers", "--hidden", "--seq", "--vocab"), counts) if v is None]
+    if missing:
+        raise InputError("--model", "the doctor needs the model", fix=f"pass --model NAME, or {' '.join(missing)}")
+    return ModelShape.from_counts(*counts)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -132,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true")
     est.set_defaults(func=_estimate)
 
+    _add_doctor_parser(sub)
+
     demo = sub.add_parser("demo", help="train the built-in GPT with ZeRO on a local Ray cluster of CPU workers")
     demo.add_argument("--steps", type=int, default=200)
     demo.add_argument("--world-size", type=int, default=2)
@@ -143,6 +190,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     _add_data_parser(sub)
     return parser
+
+
+def _add_doctor_parser(sub) -> None:
+    doctor = sub.add_parser("doctor", help="will this config fit and run? memory per rank, communication, lint",
+                            description="Validate a ds_config for a model and a cluster: itemised per-rank memory "
+                            "(model states, buckets, stage-3 live parameters, activations by checkpointing choice, "
+                            "fragmentation margin), host memory for offload, bytes per step, whether it fits and the "
+                            "cheapest changes that make it fit, and lint rules. Exit status: 0 clean, 1 warnings, "
+                            "2 errors.")
+    doctor.add_argument("config", help="ds_config.json (JSON or HJSON)")
+    doctor.add_argument("--model", help="built-in GPT size (gpt-tiny, gpt2-medium, gpt-1.3b, ...) or pkg.module:fn")
+    doctor.add_argument("--params", type=_parse_count, help="parameters, e.g. 175e9 (with --layers --hidden --seq --vocab)")
+    doctor.add_argument("--layers", type=_parse_count)
+    doctor.add_argument("--hidden", type=_parse_count)
+    doctor.add_argument("--seq", type=_parse_count, help="sequence length (default: the model's block size)")
+    doctor.add_argument("--vocab", type=_parse_count)
+    doctor.add_argument("--world-size", type=_parse_count, help="data-parallel ranks (or --nodes x --gpus-per-node)")
+    doctor.add_argument("--nodes", type=_parse_count)
+    doctor.add_argument("--gpus-per-node", type=_parse_count)
+    doctor.add_argument("--gpu-memory", metavar="SIZE", help="device memory per rank, e.g. 80GB")
+    doctor.add_argument("--cpu-memory", metavar="SIZE", help="host memory per node, e.g. 1TB")
+    doctor.add_argument("--cpu", action="store_true", help="CPU ranks: no caching-allocator margin")
+    doctor.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a ds_config key")
+    doctor.add_argument("--json", action="store_true", help="the report as JSON")
+    doctor.set_defaults(func=_doctor)
 
 
 def _add_train_parser(sub) -> None:

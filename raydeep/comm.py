@@ -96,9 +96,51 @@ def _skip(group) -> bool:
                 and dist.is_initialized())
 
 
-def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, tensor=None, group=None) -> Pending:
+# The collective-order check (raydeep.collective_order), when on, and the last collective issued
+# (op, shape, unit, wall time): what the step watchdog reports for a rank that hangs.
+_order_checker = None
+_last: tuple | None = None
+
+
+def enable_order_check(timeout_s: float) -> None:
+    """Check every following collective's order across ranks (collective: every rank calls it)."""
+    global _order_checker
+    from raydeep.collective_order import OrderChecker
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not _checking():
+        _order_checker = OrderChecker(timeout_s)
+
+
+def _checking() -> bool:
+    """An order checker exists for the current default process group (one made for an earlier,
+    destroyed group -- a process that trains twice -- does not count)."""
+    return _order_checker is not None and _order_checker.world is dist.GroupMember.WORLD
+
+
+def disable_order_check() -> None:
+    global _order_checker
+    if _order_checker is not None:
+        _order_checker.close()
+    _order_checker = None
+
+
+def last_collective() -> str | None:
+    """The last collective this process issued and how long ago, e.g.
+    ``"all_gather (2048,) float32 of blocks.3, 12.5 s ago"`` (None before the first)."""
+    if _last is None:
+        return None
+    op, shape, dtype, owner, at = _last
+    return f"{op} {shape} {dtype}{f' of {owner}' if owner else ''}, {time.time() - at:.1f} s ago"
+
+
+def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, tensor=None, group=None,
+         owner: str = "") -> Pending:
+    global _last
     if tensor is not None:
         check_device(op, tensor, dist.get_backend(group))
+        if _order_checker is not None and group is None and _checking():
+            _order_checker.check(op, tensor, owner)
+        _last = (op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), owner, time.time())
     start = time.perf_counter()
     work = launch(async_op)
     if stats is not None:
@@ -107,33 +149,34 @@ def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, 
 
 
 def all_reduce(tensor: torch.Tensor, stats: CommStats | None = None, op=None, group=None,
-               async_op: bool = False) -> Pending:
-    """Sum (or ``op``) ``tensor`` in place across ranks."""
+               async_op: bool = False, owner: str = "") -> Pending:
+    """Sum (or ``op``) ``tensor`` in place across ranks. ``owner`` (here and below) names what
+    the tensor belongs to -- a unit, a bucket, the gradient norm -- for the order check."""
     if _skip(group):
         return Pending(None, None, "all_reduce")
     reduce_op = dist.ReduceOp.SUM if op is None else op
     return _run("all_reduce", tensor.numel() * tensor.element_size(), stats, async_op,
-                lambda a: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=a), tensor, group)
+                lambda a: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=a), tensor, group, owner)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
-                   async_op: bool = False) -> Pending:
+                   async_op: bool = False, owner: str = "") -> Pending:
     """Sum ``input`` across ranks and keep this rank's equal chunk in ``output``."""
     if _skip(group):
         output.copy_(input)
         return Pending(None, None, "reduce_scatter")
     return _run("reduce_scatter", input.numel() * input.element_size(), stats, async_op,
-                lambda a: _REDUCE_SCATTER(output, input, group=group, async_op=a), input, group)
+                lambda a: _REDUCE_SCATTER(output, input, group=group, async_op=a), input, group, owner)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
-               async_op: bool = False, label: str = "all_gather") -> Pending:
+               async_op: bool = False, label: str = "all_gather", owner: str = "") -> Pending:
     """Concatenate every rank's equal-size ``input`` into ``output`` (counted under ``label``)."""
     if _skip(group):
         output.copy_(input)
         return Pending(None, None, label)
     return _run(label, output.numel() * output.element_size(), stats, async_op,
-                lambda a: _ALL_GATHER(output, input, group=group, async_op=a), input, group)
+                lambda a: _ALL_GATHER(output, input, group=group, async_op=a), input, group, owner)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | None = None, group=None,
@@ -147,15 +190,17 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, stats: CommStats | Non
          lambda a: dist.all_to_all_single(output, input, group=group, async_op=a), input, group)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None, group=None) -> None:
+def broadcast(tensor: torch.Tensor, src: int = 0, stats: CommStats | None = None, group=None,
+              owner: str = "") -> None:
     """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
     if _skip(group):
         return
     _run("broadcast", tensor.numel() * tensor.element_size(), stats, False,
-         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), tensor, group)
+         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), tensor, group, owner)
 
 
-def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | None = None, group=None) -> float:
+def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | None = None, group=None,
+                     owner: str = "") -> float:
     """All-reduce one scalar tensor (a norm, an overflow flag) where it lives and read it: the
     step's host synchronization. It stays on its device because NCCL reduces CUDA tensors only.
 
@@ -163,7 +208,7 @@ def all_reduce_value(value: torch.Tensor, op: str = "sum", stats: CommStats | No
     2.5
     """
     t = value.reshape(1)
-    all_reduce(t, stats, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group)
+    all_reduce(t, stats, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group, owner=owner)
     return float(t.item())
 
 

@@ -6,6 +6,8 @@ so a user sees every problem at once.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from raydeep.config.model import RaydeepConfig
 from raydeep.config.support import check_support
 from raydeep.errors import ConfigError, ConfigErrors, dotted_key, key_part
@@ -195,11 +197,40 @@ def _scheduler_names() -> list[str]:
     return names
 
 
-def _advice(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
+# The field report's threshold: accumulating over more micro-batches than this needs clipping.
+ACCUMULATION_CLIP_STEPS = 32
+
+
+@dataclass(frozen=True)
+class Advice:
+    """A piece of the field report's advice, in the parts ``raydeep doctor`` reports separately;
+    ``str()`` is the load-time warning, so both say the same thing from one text."""
+
+    message: str
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.message}: {self.reason}; {self.fix}"
+
+
+def accumulation_advice(cfg: RaydeepConfig) -> Advice | None:
+    """The advice for gradient accumulation without clipping, or None when it does not apply.
+
+    Shared by the load-time warning below and the doctor's ``accumulation-without-clipping`` rule.
+    """
     gas = cfg.gradient_accumulation_steps
-    if gas is not None and gas > 32 and cfg.gradient_clipping == 0:
-        warnings.append(f"gradient_accumulation_steps is {gas} with gradient clipping off: above 32 accumulation "
-                        "steps gradients can explode; set gradient_clipping (e.g. 1.0)")
+    if gas is None or gas <= ACCUMULATION_CLIP_STEPS or cfg.gradient_clipping != 0:
+        return None
+    return Advice(f"gradient_accumulation_steps is {gas} with gradient clipping off",
+                  f"above {ACCUMULATION_CLIP_STEPS} accumulation steps gradients can explode",
+                  "set gradient_clipping (e.g. 1.0)")
+
+
+def _advice(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
+    advice = accumulation_advice(cfg)
+    if advice is not None:
+        warnings.append(str(advice))
 
 
 def _as_config_error(exc: ValueError, default_key: str, value) -> ConfigError:

@@ -269,6 +269,13 @@ class RaydeepSection(Section):
     # overflowed first, the loss-scale history and what to try (0: never). The same diagnosis is
     # attached to the minimum-scale exception whatever this is.
     overflow_diagnosis_after: int = Field(5, ge=0)
+    # Check before every collective that all ranks issue the same op with the same shape and dtype,
+    # so a divergent rank fails in seconds naming the op, its call site and its unit instead of
+    # hanging until the process group times out (raydeep.collective_order; also
+    # RAYDEEP_CHECK_COLLECTIVES=1). One small gloo all-gather per collective: for debugging.
+    check_collective_order: Flag = False
+    # How long the check waits for a rank that has not announced its next collective.
+    collective_order_timeout_s: float = Field(60.0, gt=0)
     seed: int = 1234
     # engine.save_checkpoint writes in a background thread (training continues; the next save waits).
     checkpoint_async: Flag = False
@@ -278,3 +285,16 @@ class RaydeepSection(Section):
     checkpoint_fsync: Flag = True
     # Keep only the newest K committed checkpoints under a save_dir (None keeps all).
     checkpoint_keep_last_k: int | None = Field(None, ge=1)
+    # The step watchdog of Ray Train runs (raydeep.ray.watchdog): a rank stuck inside a step (a
+    # deadlocked collective, a stuck data read) would otherwise block every rank silently until
+    # the process group times out. When a step runs longer than step_timeout_s, each rank writes
+    # every thread's stack under <run>/diagnostics/ and the driver prints where the rank is. None
+    # derives it: 10x the median of the last 20 steps, at least min_step_timeout_s, and 600 s
+    # before the first step finishes (it includes the warm-up). A set value applies to every step.
+    step_timeout_s: float | None = Field(None, gt=0)
+    min_step_timeout_s: float = Field(60.0, ge=0)
+    watchdog: Flag = True
+    # The torch.distributed process-group timeout of Ray Train runs (TorchConfig(timeout_s=...)):
+    # how long a collective waits for a missing rank before the run fails and restarts. Ray's
+    # default, 1800 s, leaves a hang unnoticed for half an hour.
+    collective_timeout_s: float = Field(600.0, gt=0)

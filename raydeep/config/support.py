@@ -66,6 +66,7 @@ SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batc
 
 _NVME = "it configures NVMe offload, which raydeep does not support (CPU offload does not read it)"
 TIERS = "raydeep/tier/select.py"
+WATCHDOG, WORKER, RAY_TRAINER = "raydeep/ray/watchdog.py", "raydeep/ray/worker.py", "raydeep/ray/trainer.py"
 _MONITOR = ("raydeep does not write {name} logs; `raydeep train` reports step, loss and samples through "
             "ray.train.report with each checkpoint, and steps_per_print logs the step and learning rate")
 _AUTOTUNE = ("raydeep does not run DeepSpeed's autotuner; sweep settings with Ray Tune through "
@@ -300,12 +301,18 @@ SUPPORT: dict[str, Support] = {
     "raydeep.offload_actor_cpus": read(TIERS),
     "raydeep.empty_cache_every": read(BUILDER, ENGINE),
     "raydeep.overflow_diagnosis_after": read(BUILDER, ENGINE),
+    "raydeep.check_collective_order": read(BUILDER, "raydeep/collective_order.py"),
+    "raydeep.collective_order_timeout_s": read(BUILDER, "raydeep/collective_order.py"),
     "raydeep.seed": refuse("is not read by raydeep: nothing is seeded from it",
                            "remove it and call torch.manual_seed(N) before building the model "
                            "(`raydeep train` takes --seed N)", 42),
     "raydeep.checkpoint_async": read(ENGINE),
     "raydeep.checkpoint_fsync": read("raydeep/checkpoint/checkpointer.py"),
     "raydeep.checkpoint_keep_last_k": read(ENGINE),
+    "raydeep.step_timeout_s": read(WATCHDOG, WORKER),
+    "raydeep.min_step_timeout_s": read(WATCHDOG, WORKER),
+    "raydeep.watchdog": read(WORKER, RAY_TRAINER),
+    "raydeep.collective_timeout_s": read(RAY_TRAINER),
 }
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raydeep import comm
+from raydeep import collective_order, comm
 from raydeep.config import RaydeepConfig
 from raydeep.errors import ConfigError
 from raydeep.engine.activation import apply_activation_checkpointing
@@ -57,6 +57,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     sched = _build_scheduler(cfg, tier, lr_scheduler)
     scaler = build_loss_scaler(cfg.fp16.model_dump() if cfg.fp16.enabled else None, stage, rank=rank)
     stats.reset()
+    if collective_order.requested(cfg.raydeep.check_collective_order):
+        comm.enable_order_check(cfg.raydeep.collective_order_timeout_s)
     settings = EngineSettings(
         train_batch_size=cfg.train_batch_size, micro_batch=cfg.train_micro_batch_size_per_gpu,
         grad_accum=cfg.gradient_accumulation_steps, gradient_clipping=cfg.gradient_clipping,

@@ -11,6 +11,7 @@ updated parameters (all-gather for stages 1-3) -> scheduler (not on a skipped st
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch import nn
 from raydeep import comm
 from raydeep.checkpoint import Checkpointer
 from raydeep.optim.clip import clip_coefficient
+from raydeep.doctor.oom import diagnose_oom, is_out_of_memory
 from raydeep.precision.diagnosis import LossScaleCollapse, OverflowWatch
 from raydeep.precision.loss_scaler import MIN_SCALE_ERROR, overflow_flag
 
@@ -76,12 +78,33 @@ class Engine(nn.Module):
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self.overflow_watch = OverflowWatch(settings.overflow_diagnosis_after)
+        self._seq: int | None = None  # the last forward's sequence length
 
     # --- forward / backward / step ------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self.settings.auto_cast:
             inputs = tuple(t.half() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
-        return self.module(*inputs, **kwargs)
+        if inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
+            self._seq = inputs[0].shape[1]  # (batch, seq, ...): what an out-of-memory diagnosis sizes
+        with self._memory_diagnosis("forward"):
+            return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def _memory_diagnosis(self, phase: str):
+        """Out of memory here gets the doctor's estimate and the knob to turn, as a note on the
+        same exception (its type and traceback stay: see raydeep.doctor.oom)."""
+        try:
+            yield
+        except (RuntimeError, MemoryError) as err:
+            if self.config is None or not is_out_of_memory(err) or getattr(err, "raydeep_diagnosed", False):
+                raise
+            try:
+                note = diagnose_oom(self.config, self.module, self._seq, self.device, phase)
+            except Exception as failure:  # the diagnosis must never hide the error itself
+                note = f"raydeep: out of memory in the {phase} (no estimate: {type(failure).__name__}: {failure})"
+            err.add_note(note)
+            err.raydeep_diagnosed = True
+            raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Divide by GAS, apply the loss scale, backpropagate, reduce gradients; returns loss / GAS."""
@@ -90,9 +113,10 @@ class Engine(nn.Module):
             loss = loss / self.settings.grad_accum
         boundary = self.is_gradient_accumulation_boundary()
         scaled = loss * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else loss
-        self.strategy.begin_backward(boundary)
-        scaled.backward(retain_graph=retain_graph)
-        self.strategy.end_backward(boundary)
+        with self._memory_diagnosis("backward"):
+            self.strategy.begin_backward(boundary)
+            scaled.backward(retain_graph=retain_graph)
+            self.strategy.end_backward(boundary)
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -101,7 +125,8 @@ class Engine(nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every micro-batch; applies the update only at the accumulation boundary."""
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            with self._memory_diagnosis("optimizer step"):
+                self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
@@ -151,7 +176,7 @@ class Engine(nn.Module):
         if flag is None:
             return False
         if self.strategy.sharded_grads or own_grads:
-            return comm.all_reduce_value(flag.to(torch.float64), "max", self.stats) > 0
+            return comm.all_reduce_value(flag.to(torch.float64), "max", self.stats, owner="overflow flag") > 0
         return bool(flag)
 
     def _global_norm(self, own_grads: bool = False) -> float:
@@ -160,9 +185,9 @@ class Engine(nn.Module):
         differ; the largest keeps every rank within the clip and the ranks in agreement."""
         sq = self.strategy.grad_sq_norm()  # on the device; read once, below
         if self.strategy.sharded_grads:
-            total = comm.all_reduce_value(sq, "sum", self.stats)
+            total = comm.all_reduce_value(sq, "sum", self.stats, owner="gradient norm")
         elif own_grads:  # non-finite as +inf: a NaN may lose a MAX comparison
-            total = comm.all_reduce_value(torch.where(sq.isfinite(), sq, math.inf), "max", self.stats)
+            total = comm.all_reduce_value(torch.where(sq.isfinite(), sq, math.inf), "max", self.stats, owner="gradient norm")
         else:
             total = float(sq)
         return math.sqrt(total) if math.isfinite(total) else float("nan")
@@ -225,6 +250,7 @@ class Engine(nn.Module):
         """Wait for an asynchronous save and release the optimizer tier's offload actors."""
         self.checkpointer.wait()
         self.tier.close()
+        comm.disable_order_check()
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------
     @property

@@ -9,7 +9,8 @@ One attempt of a run, on every rank:
 3. train to ``spec.steps``: each step reads the samples at global positions
    ``[global_samples, global_samples + train_batch_size)`` of the run's sample order, records
    them in the ledger, and every ``checkpoint_every`` steps (and at the end) saves through the
-   session;
+   session; the session hears when each step starts and ends (its step watchdog reports a rank
+   stuck in one);
 4. consolidate the fp32 parameters and return what the run's summary needs.
 
 The session is the only thing that knows about Ray (:class:`raydeep.ray.worker.RaySession`), so
@@ -48,9 +49,19 @@ class Session(Protocol):
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         """Checkpoint ``engine`` (collective: every rank calls it)."""
 
-    def attempt_started(self, record: dict) -> None: ...
+    def attempt_started(self, record: dict) -> None:
+        """The attempt begins; ``record["attempt"]`` is its index in the run's attempt history."""
+
+    def step_started(self, step: int) -> None:
+        """Step ``step`` begins on this rank (the step watchdog times it from here)."""
+
+    def step_finished(self, seconds: float) -> None:
+        """The running step ended after ``seconds``."""
 
     def step_done(self, event: dict) -> None: ...
+
+    def close(self) -> None:
+        """The attempt is over on this rank (normally or not): stop watching it."""
 
 
 def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, session: Session) -> dict:
@@ -71,17 +82,20 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
                "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time(),
                "skipped_checkpoints": [list(entry) for entry in session.skipped]}
     attempts = list(state.get("attempts", [])) + [attempt]
-    session.attempt_started(attempt)
+    session.attempt_started({**attempt, "attempt": len(attempts) - 1})
     first_loss, last_loss = state.get("first_loss"), state.get("last_loss")
 
     while engine.global_steps < spec.steps:
         started = time.time()
+        session.step_started(engine.global_steps + 1)
         last_loss, my_ids = _train_step(engine, dataset, order, rank, world, plan.micro_batch)
         ledger.record(_gather_step_ids(my_ids, world, plan.micro_batch, engine.device))
+        seconds = time.time() - started
+        session.step_finished(seconds)
         first_loss = last_loss if first_loss is None else first_loss
         step = engine.global_steps
         session.step_done({"step": step, "loss": last_loss, "samples": engine.global_samples,
-                           "seconds": time.time() - started, "time": time.time(), "phase": engine.tier.phase})
+                           "seconds": seconds, "time": time.time(), "phase": engine.tier.phase})
         if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}

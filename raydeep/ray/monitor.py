@@ -3,12 +3,17 @@
 Ray Train keeps only the metrics of checkpointed reports and shows the driver nothing while
 ``fit()`` runs, so the workers send step events here (rank 0, fire-and-forget: training never
 waits on it) and the driver polls it for the progress bar, the attempt history (world size,
-worker pids and nodes per attempt) and the recovery times of the summary. It holds no training
-state: losing it loses only the display.
+worker pids and nodes per attempt) and the recovery times of the summary. Every rank's step
+watchdog (:mod:`raydeep.ray.watchdog`) reports a hung step here too, for the driver to print.
+It holds no training state: losing it loses only the display.
 """
 from __future__ import annotations
 
 import ray
+
+# Hang records kept for the driver: the first ones say where a run got stuck; a timeout set too
+# low could report every step of every rank, and the dump files on storage keep them all anyway.
+MAX_HANGS = 100
 
 
 @ray.remote(num_cpus=0)
@@ -17,6 +22,7 @@ class RunMonitor:
         self._attempts: list[dict] = []
         self._workers: dict[str, dict[int, dict]] = {}
         self._latest: dict | None = None
+        self._hangs: list[dict] = []
 
     def attempt_started(self, token: str, record: dict) -> None:
         self._attempts.append({**record, "token": token, "index": len(self._attempts), "first_step_at": None,
@@ -33,9 +39,14 @@ class RunMonitor:
             attempt["last_step_at"], attempt["last_step"] = event["time"], event["step"]
         self._latest = {**event, "attempt": attempt["index"] if attempt else None}
 
+    def hang(self, token: str, record: dict) -> None:
+        """A rank's step outlived the watchdog's timeout (any rank sends these, not only rank 0)."""
+        if len(self._hangs) < MAX_HANGS:
+            self._hangs.append({**record, "token": token})
+
     def snapshot(self) -> dict:
         attempts = [{**a, "workers": dict(sorted(self._workers.get(a["token"], {}).items()))} for a in self._attempts]
-        return {"attempts": attempts, "latest": self._latest}
+        return {"attempts": attempts, "latest": self._latest, "hangs": list(self._hangs)}
 
 
 def start_monitor():

@@ -1,7 +1,10 @@
-"""Driver-side watching: poll the RunMonitor while ``fit()`` blocks, and draw a progress bar."""
+"""Driver-side watching: poll the RunMonitor while ``fit()`` blocks, draw a progress bar, and
+say where a rank that hangs in a step is."""
 from __future__ import annotations
 
 import logging
+import re
+import sys
 import threading
 
 import ray
@@ -19,7 +22,7 @@ class MonitorPoller(threading.Thread):
     def __init__(self, monitor, callbacks, interval_s: float = 0.25):
         super().__init__(name="raydeep-monitor-poller", daemon=True)
         self.monitor, self.callbacks, self.interval_s = monitor, [c for c in callbacks if c], interval_s
-        self.last: dict = {"attempts": [], "latest": None}
+        self.last: dict = {"attempts": [], "latest": None, "hangs": []}
         self._stop_event = threading.Event()
 
     def poll(self) -> dict:
@@ -87,3 +90,32 @@ class ProgressBar:
                                  phase=phase)
         elif attempts:
             self.progress.update(self.task, completed=attempts[-1]["resumed_from_step"])
+
+
+class HangPrinter:
+    """Prints each hang the ranks' step watchdogs report (the snapshot's ``"hangs"``) to stderr,
+    once: where the rank is stuck, and where its dump of every thread lies.
+
+    It writes to ``sys.stderr`` as it is at each call, so under a live rich progress bar (which
+    redirects stderr) the message appears above the bar, and without one it is plain stderr.
+    """
+
+    def __init__(self, frames: int = 8):
+        self.frames, self._shown = frames, 0
+
+    def __call__(self, snapshot: dict) -> None:
+        hangs = snapshot.get("hangs", [])
+        for record in hangs[self._shown:]:
+            print(describe_hang(record, self.frames), file=sys.stderr, flush=True)
+        self._shown = len(hangs)
+
+
+def describe_hang(record: dict, frames: int = 8) -> str:
+    """The driver's message for one hang record: the rank, step and seconds, the last collective,
+    the innermost ``frames`` frames of the stack that runs the step, and the dump's path."""
+    stack = [frame for frame in re.split(r'(?m)^(?=  File ")', record.get("stack") or "") if frame.strip()]
+    shown = "".join(stack[-frames:]).rstrip("\n")
+    return (f"raydeep: rank {record['rank']} has been in step {record['step']} for {record['elapsed_s']:.1f} s "
+            f"(watchdog timeout {record['timeout_s']:.1f} s); last collective: "
+            f"{record.get('last_collective') or 'none recorded'}; its stack:\n{shown}\n"
+            f"full dump of every thread: {record.get('dump') or 'not written (see the worker log)'}")

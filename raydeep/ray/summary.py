@@ -11,6 +11,9 @@
 - ``attempts[i].skipped_checkpoints``: ``[tag, reason]`` of damaged checkpoints an attempt passed
   over to resume from an older, intact one;
 - ``memory_rank0``: rank 0's model-state bytes as the engine measures them (``memory_breakdown()``).
+- ``hangs``: every step a rank's watchdog reported as hung while this driver watched (rank,
+  step, seconds, timeout, the stack that ran the step, the last collective, the dump's path);
+  empty when none;
 - ``offload``: where the optimizer tier keeps the masters and optimizer states when they are
   offloaded (``tier``: ``host`` or ``actors``; the actor count, the offload nodes' ids, the bytes
   held, and per rank the seconds per step in the update, in transfer and in the CPU step), or null.
@@ -46,6 +49,7 @@ def build_summary(spec, result: dict, snapshot: dict, driver_id: str, started: f
         "samples_per_s": advanced / elapsed, "elapsed_s": elapsed,
         "param_sha256": result["param_sha256"], "samples_sha256": result["samples_sha256"],
         "offload": result.get("offload"), "compression": result.get("compression"),
+        "hangs": [{k: v for k, v in hang.items() if k != "token"} for hang in snapshot.get("hangs", [])],
     }
 
 

@@ -23,11 +23,12 @@ from ray.train import TrainingFailedError
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.callbacks import DatasetsCallback
 
+from raydeep.config.sections import RaydeepSection
 from raydeep.errors import InputError
 from raydeep.ray.batch_plan import BatchSchedule, plan_batches
 from raydeep.ray.failures import RaydeepFailurePolicy, deterministic_error
 from raydeep.ray.monitor import start_monitor
-from raydeep.ray.progress import MonitorPoller
+from raydeep.ray.progress import HangPrinter, MonitorPoller
 from raydeep.ray.spec import TrainSpec, check_storage
 from raydeep.ray.summary import build_summary, write_json
 from raydeep.ray.worker import train_loop_per_worker
@@ -46,6 +47,11 @@ RAY_TRAIN_TUNING = {
 # would only take CPU from the new workers while they start.
 LOCAL_CLUSTER_TUNING = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 CHECKPOINTS_TO_KEEP = 2
+# torch's NCCL flight recorder: the last collectives of every rank, dumped when one times out
+# (what the step watchdog's Python stacks cannot show: the CUDA side of a hang). Read when the
+# process group is made, which Ray Train does before raydeep's code runs: so through the
+# workers' runtime environment.
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 class RaydeepTorchTrainer(TorchTrainer):
@@ -136,14 +142,34 @@ def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, mon
                   callbacks: Sequence = ()):
     """The ``TorchTrainer`` for ``spec``; ``callbacks`` are Ray Train ``UserCallback``s (e.g. Tune's)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
 
     resources = {"CPU": spec.cpus_per_worker, **spec.resources_per_worker}
     scaling = ScalingConfig(num_workers=spec.num_workers, use_gpu=spec.use_gpu, resources_per_worker=resources)
+    options = RaydeepSection.model_validate(ds_config.get("raydeep") or {})
+    worker_env = nccl_flight_recorder_env(spec) if spec.use_gpu and options.watchdog else {}
     run = RunConfig(name=spec.name, storage_path=spec.storage_path,
                     failure_config=FailureConfig(max_failures=spec.max_failures),
-                    checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP), callbacks=list(callbacks))
+                    checkpoint_config=CheckpointConfig(num_to_keep=CHECKPOINTS_TO_KEEP), callbacks=list(callbacks),
+                    worker_runtime_env={"env_vars": worker_env} if worker_env else None)
+    # backend=None: Ray Train picks it (nccl on GPU workers, gloo on CPU ones).
+    torch_config = TorchConfig(backend=None, timeout_s=options.collective_timeout_s)
     config = {"spec": spec, "ds_config": ds_config, "schedule": schedule, "monitor": monitor, "driver_id": driver_id}
-    return RaydeepTorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run)
+    return RaydeepTorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run,
+                               torch_config=torch_config)
+
+
+def nccl_flight_recorder_env(spec: TrainSpec) -> dict[str, str]:
+    """The flight recorder's variables the user has not set already (on the driver, or in the
+    job's runtime environment, which the workers inherit). Its dump goes next to the watchdog's
+    in a local run directory; for a remote one torch's own default (a local temporary file)."""
+    wanted = dict(NCCL_FLIGHT_RECORDER)
+    if "://" not in spec.run_uri:
+        wanted["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = f"{spec.run_uri}/diagnostics/nccl_trace_rank_"
+    job_env = {}
+    if ray.is_initialized():
+        job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    return {key: value for key, value in wanted.items() if key not in os.environ and key not in job_env}
 
 
 def plan_run(spec: TrainSpec) -> tuple[dict, BatchSchedule]:
@@ -164,7 +190,8 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     also written to ``<storage_path>/<name>/summary.json``.
 
     ``on_progress(snapshot)`` is called from a background thread with the monitor's snapshot
-    (attempts with their world size and worker pids, the latest step) every ``poll_interval_s``.
+    (attempts with their world size and worker pids, the latest step, the step watchdogs' hang
+    records) every ``poll_interval_s``. Each hang is also printed to stderr as it is reported.
     ``callbacks`` go to Ray Train's ``RunConfig`` (see :func:`raydeep.ray.tune.make_driver`).
     ``plan`` is :func:`plan_run`'s result when the caller has already checked the spec.
     """
@@ -173,7 +200,8 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     driver_id = uuid.uuid4().hex
     monitor = start_monitor()
     trainer = build_trainer(spec, ds_config, schedule, monitor, driver_id, callbacks)
-    poller = MonitorPoller(monitor, [on_progress], poll_interval_s)
+    # Hangs are printed whoever watches the run: a stuck rank is news to a library caller too.
+    poller = MonitorPoller(monitor, [on_progress, HangPrinter()], poll_interval_s)
     started = time.time()
     poller.start()
     try:

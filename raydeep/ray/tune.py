@@ -23,16 +23,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 
 from raydeep.ray.spec import TrainSpec, parse_num_workers
 
+logger = logging.getLogger("raydeep")
+
 
 def trial_spec(base: TrainSpec, config: dict, trial_id: str) -> TrainSpec:
-    """``base`` with the trial's overrides and worker count, named after the trial."""
+    """``base`` with the trial's overrides and worker count, named after the trial. A trial that
+    sets ``optimizer.params.lr`` under a scheduler that sets the LR itself logs a warning: the
+    sweep would change nothing (the doctor's ``lr-swept-under-scheduler`` rule)."""
     overrides = [*base.overrides, *(f"{key}={json.dumps(value)}" for key, value in config.get("set", {}).items())]
     num_workers = parse_num_workers(config["num_workers"]) if "num_workers" in config else base.num_workers
-    return dataclasses.replace(base, name=f"{base.name}-{trial_id}", overrides=overrides, num_workers=num_workers)
+    spec = dataclasses.replace(base, name=f"{base.name}-{trial_id}", overrides=overrides, num_workers=num_workers)
+    if "optimizer.params.lr" in config.get("set", {}):
+        _warn_if_lr_is_overwritten(spec)
+    return spec
+
+
+def _warn_if_lr_is_overwritten(spec: TrainSpec) -> None:
+    from raydeep.doctor.lint import lr_sweep_finding
+
+    scheduler = spec.resolved_ds_config().get("scheduler") or {}
+    finding = lr_sweep_finding(scheduler.get("type"), scheduler.get("params"))
+    if finding is not None:
+        logger.warning("%s [%s]. Fix: %s", finding.message, finding.rule, finding.fix)
 
 
 def make_driver(base: TrainSpec) -> Callable[[dict], None]:

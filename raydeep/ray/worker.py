@@ -12,10 +12,14 @@ attempt. The session adds raydeep's part:
 - the restore reads the newest committed checkpoint (Ray Train's, or a newer one raydeep's
   ``latest`` names), resharding when the world size changed; a damaged one (a file failing its
   sha256) is passed over for the newest intact one, with a warning the driver shows;
-- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor`.
+- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor`;
+- every rank runs a step watchdog (:mod:`raydeep.ray.watchdog`, ``raydeep.watchdog``): a step
+  that outlives ``raydeep.step_timeout_s`` (derived from the recent step times when unset) dumps
+  every thread's stack under ``<run>/diagnostics/attempt-<A>/`` and tells the driver.
 """
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import socket
@@ -29,8 +33,12 @@ import torch
 from raydeep.checkpoint import Storage, committed_tags
 from raydeep.checkpoint.format import LATEST
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
+from raydeep.config.sections import RaydeepSection
 from raydeep.errors import CheckpointError
 from raydeep.ray.loop import run_training
+from raydeep.ray.watchdog import HangReporter, StepWatchdog
+
+logger = logging.getLogger("raydeep")
 
 
 def train_loop_per_worker(config: dict) -> dict:
@@ -39,8 +47,11 @@ def train_loop_per_worker(config: dict) -> dict:
     spec = config["spec"]
     # One intra-op thread per reserved CPU: the same math (and so the same bits) on every attempt.
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
-    session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at)
-    return run_training(spec, config["ds_config"], config["schedule"], session)
+    session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at, config["ds_config"])
+    try:
+        return run_training(spec, config["ds_config"], config["schedule"], session)
+    finally:
+        session.close()
 
 
 def resume_candidates(storage: Storage, reported: str | None) -> tuple[list[str], list[tuple[str, str]]]:
@@ -74,7 +85,7 @@ def resume_candidates(storage: Storage, reported: str | None) -> tuple[list[str]
 class RaySession:
     """Checkpoints through ``ray.train.report``, resume from ``ray.train.get_checkpoint`` (see above)."""
 
-    def __init__(self, spec, monitor, driver_id: str, entered_at: float):
+    def __init__(self, spec, monitor, driver_id: str, entered_at: float, ds_config: dict | None = None):
         from ray.train.collective import broadcast_from_rank_zero
 
         context = ray.train.get_context()
@@ -85,12 +96,21 @@ class RaySession:
         self.checkpoint_fs_path = posixpath.join(storage.experiment_fs_path, "checkpoints")
         self.monitor, self.driver_id, self.entered_at = monitor, driver_id, entered_at
         self.skipped: list[tuple[str, str]] = []  # damaged checkpoints the restore passed over
-        # One id per attempt, agreed by all ranks, so the monitor can group this attempt's reports.
-        self.token = broadcast_from_rank_zero(uuid.uuid4().hex)
+        # One id per attempt, agreed by all ranks, so the monitor can group this attempt's reports;
+        # and the lowest attempt number no earlier attempt's diagnostics use, so none overwrites them.
+        self.token, self.unused_attempt = broadcast_from_rank_zero(
+            (uuid.uuid4().hex, unused_diagnostics_attempt(spec.run_uri) if self.rank == 0 else 0))
         if monitor is not None:
             monitor.worker_started.remote(self.token, self.rank, {
                 "pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
                 "local_rank": context.get_local_rank(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+        self.hang_reporter, self.watchdog = None, None
+        options = RaydeepSection.model_validate((ds_config or {}).get("raydeep") or {})
+        if options.watchdog:
+            self.hang_reporter = HangReporter(spec.run_uri, self.rank, monitor, self.token)
+            self.watchdog = StepWatchdog(self.hang_reporter, step_timeout_s=options.step_timeout_s,
+                                         min_step_timeout_s=options.min_step_timeout_s)
+            _make_nccl_trace_dir()
 
     def restore(self, engine) -> dict | None:
         """Load the newest intact checkpoint (see :func:`resume_candidates`); a damaged newer one
@@ -117,9 +137,46 @@ class RaySession:
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     def attempt_started(self, record: dict) -> None:
+        if self.hang_reporter is not None:
+            # The history index alone repeats when an attempt died before its first checkpoint.
+            self.hang_reporter.attempt = max(record.get("attempt", 0), self.unused_attempt)
         if self.monitor is not None and self.rank == 0:
             self.monitor.attempt_started.remote(self.token, {**record, "entered_at": self.entered_at})
+
+    def step_started(self, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.step_started(step)
+
+    def step_finished(self, seconds: float) -> None:
+        if self.watchdog is not None:
+            self.watchdog.step_finished(seconds)
 
     def step_done(self, event: dict) -> None:
         if self.monitor is not None and self.rank == 0:
             self.monitor.step_done.remote(self.token, event)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+
+def unused_diagnostics_attempt(run_uri: str) -> int:
+    """One more than the highest ``diagnostics/attempt-<A>`` of the run (0 when there is none)."""
+    try:
+        names = Storage.open(run_uri).list_dirs("diagnostics")
+    except Exception:  # noqa: BLE001 - diagnostics are not worth failing an attempt over
+        return 0
+    numbers = [int(name.split("-", 1)[1]) for name in names if name.startswith("attempt-")
+               and name.split("-", 1)[1].isdigit()]
+    return max(numbers, default=-1) + 1
+
+
+def _make_nccl_trace_dir() -> None:
+    """NCCL's flight recorder (turned on for GPU runs by the driver) writes its dump on a
+    collective timeout into this file prefix, and does not create the directory itself."""
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if prefix and os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+        try:
+            os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+        except OSError as err:
+            logger.warning("cannot create the directory of NCCL's trace dump %s: %s", prefix, err)

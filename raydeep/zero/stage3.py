@@ -109,7 +109,7 @@ class Stage3(Stage2):
         unit.alloc_full()
         unit.gathered = True
         # offload_param: the partition comes from pinned host memory first (DeepSpeed's ZeRO-3 Offload).
-        pending = comm.all_gather(unit.full, unit.local_on_device(), self.stats, async_op=async_op)
+        pending = comm.all_gather(unit.full, unit.local_on_device(), self.stats, async_op=async_op, owner=unit.name)
         unit.pending = pending if async_op else None
 
     def _follow_trace(self, m: int) -> None:
@@ -206,7 +206,7 @@ class _Gathered:
         self.strategy.before_master_update()
         for i in self.indices:
             unit = self.strategy.units[i]
-            comm.broadcast(unit.full, src_rank, self.strategy.stats)
+            comm.broadcast(unit.full, src_rank, self.strategy.stats, owner=unit.name)
             lo, hi = unit.layout.shard_range(unit.rank)
             unit.local.copy_(unit.full[lo:hi])
         self.strategy.params_overwritten(self.indices)

@@ -169,7 +169,7 @@ class Stage0(ZeroStrategy):
     def _launch(self, i):
         unit = self.units[i]
         buf = self._comm_input(unit.grad if unit.grad.dtype == self.reduce.comm_dtype else unit.grad.clone())
-        pending = comm.all_reduce(buf, self.stats, async_op=self.reduce.overlap)
+        pending = comm.all_reduce(buf, self.stats, async_op=self.reduce.overlap, owner=unit.name)
 
         def finish():
             if buf.data_ptr() != unit.grad.data_ptr():
@@ -202,7 +202,7 @@ class Stage1(ZeroStrategy):
         unit = self.units[i]
         src = self._comm_input(self.full_grads[i].clone())
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
-        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
+        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap, owner=unit.name)
         return pending, lambda: unit.grad.copy_(out.mul_(self.reduce.post_factor))
 
     def publish(self) -> None:
@@ -238,7 +238,7 @@ class Stage2(ZeroStrategy):
         src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype))
         unit.drop_param_grads()  # the full gradient is not kept: that is stage 2's saving
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
-        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap)
+        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap, owner=unit.name)
         return pending, lambda: unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
 
     def publish(self) -> None:
@@ -260,7 +260,7 @@ def _attach_grad_views(units: list[FlatUnit], buffers: list[torch.Tensor]) -> No
 def _gather_all(units: list[FlatUnit], stats: comm.CommStats) -> None:
     """All-gather every unit's updated shard into its full buffer."""
     for unit in units:
-        comm.all_gather(unit.full, unit.local.clone(), stats)
+        comm.all_gather(unit.full, unit.local.clone(), stats, owner=unit.name)
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:

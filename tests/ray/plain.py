@@ -42,3 +42,34 @@ def train_plain(spec, steps: int) -> dict:
     with GatheredParameters(list(model.parameters())):
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return {"params": params, "losses": losses}
+
+
+SLEEPY_CALL, SLEEPY_SECONDS = 3, 8.0  # rank 1's third forward (step 3) sleeps this long
+
+
+def sleepy_gpt():
+    """``--model tests.ray.plain:sleepy_gpt``: the built-in gpt-tiny, whose forward on rank 1
+    sleeps in :func:`sleep_in_forward` at its ``SLEEPY_CALL``-th call: a rank stuck in a step,
+    for the step watchdog to find."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from raydeep.models import build_gpt
+
+    model = build_gpt("gpt-tiny")
+    plain_forward, calls = model.forward, itertools.count(1)
+
+    def forward(*args, **kwargs):
+        if next(calls) == SLEEPY_CALL and dist.is_initialized() and dist.get_rank() == 1:
+            sleep_in_forward(SLEEPY_SECONDS)
+        return plain_forward(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+def sleep_in_forward(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
