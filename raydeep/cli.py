@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     add_convert_parser(sub)
     _add_data_parser(sub)
+    _add_report_parser(sub)
     return parser
 
 
@@ -257,6 +258,24 @@ def _add_data_parser(sub) -> None:
     build.add_argument("--block-size", type=int, default=128)
     build.add_argument("--max-bytes", type=int, default=None)
     build.set_defaults(func=_data_build)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from raydeep.report import build_report
+
+    written = build_report(args.run, args.out)
+    print(f"wrote {written[-1]} and its {len(written) - 1} plots")
+    return 0
+
+
+def _add_report_parser(sub) -> None:
+    report = sub.add_parser("report", help="plots and a markdown report of a run directory (finished or not)",
+                            description="Plot a run's per-step metrics (loss, throughput, step-time breakdown, "
+                            "memory per rank, collective traffic) against the step, restarts and world sizes "
+                            "marked, and write report.md with the run's summary table and the plots.")
+    report.add_argument("run", metavar="RUN", help="the run directory <storage>/<name>: a path or a URI (s3://...)")
+    report.add_argument("--out", metavar="DIR", help="where to write the report (default: RUN/report)")
+    report.set_defaults(func=_report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ reduce-scatter input, the all-gather output) and measure how much of it training
 With one rank (or no process group) the ops are no-ops and move nothing, unless
 ``RAYDEEP_COLLECTIVES_AT_WORLD_1=1`` and a process group exists: then one rank runs every
 collective for real, so a single GPU exercises the whole NCCL path (a one-rank NCCL group works;
-two ranks cannot share a GPU).
+two ranks cannot share a GPU). With the config's ``comms_logger`` enabled, each op is also
+recorded for DeepSpeed's ``log_summary`` table (:mod:`raydeep.comms_logging`, :func:`log_summary`).
 
 >>> stats = CommStats()
 >>> t = all_reduce(torch.ones(4), stats)
@@ -15,6 +16,7 @@ two ranks cannot share a GPU).
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import defaultdict
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from raydeep.comms_logging import CommsLogger, deepspeed_name
 
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -42,6 +46,9 @@ class CommStats:
     """Bytes, calls and blocked time per collective type since the last ``reset()``."""
 
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    # How many times reset() ran: a reader of per-step deltas (raydeep.engine.metrics) can tell
+    # a reset from an op that moved nothing.
+    resets: int = 0
 
     def record(self, op: str, nbytes: int, seconds: float) -> None:
         entry = self.ops[op]
@@ -51,6 +58,7 @@ class CommStats:
 
     def reset(self) -> None:
         self.ops.clear()
+        self.resets += 1
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {op: {"calls": s.calls, "bytes": s.bytes, "blocked_s": s.blocked_s} for op, s in self.ops.items()}
@@ -67,8 +75,8 @@ class CommStats:
 class Pending:
     """An in-flight collective; ``wait()`` records the time spent blocked on it."""
 
-    def __init__(self, work, stats: CommStats | None, op: str):
-        self.work, self.stats, self.op = work, stats, op
+    def __init__(self, work, stats: CommStats | None, op: str, profile: "_Profile | None" = None):
+        self.work, self.stats, self.op, self.profile = work, stats, op, profile
 
     def wait(self) -> None:
         if self.work is None:
@@ -77,7 +85,27 @@ class Pending:
         self.work.wait()
         if self.stats is not None:
             self.stats.ops[self.op].blocked_s += time.perf_counter() - start
+        if self.profile is not None:
+            self.profile.finish(start)
         self.work = None
+
+
+class _Profile:
+    """One collective the comms logger times: the seconds the caller spent in it, launch (and
+    ``wait()``, for an asynchronous op) -- not the compute it overlapped in between."""
+
+    __slots__ = ("logger", "record", "label", "nbytes", "device", "world", "spent_s")
+
+    def __init__(self, logger: CommsLogger, label: str, tensor: torch.Tensor, group):
+        self.logger, self.label, self.record = logger, label, logger.record_name(label)
+        self.nbytes = tensor.numel() * tensor.element_size()  # what each rank hands in, as DeepSpeed counts
+        self.device, self.world, self.spent_s = tensor.device, world_size(group), 0.0
+
+    def finish(self, since: float) -> None:
+        if self.device.type == "cuda":  # the op's completion, not its launch (DeepSpeed synchronises too)
+            torch.cuda.synchronize(self.device)
+        self.spent_s += time.perf_counter() - since
+        self.logger.append(deepspeed_name(self.label), self.record, self.spent_s * 1000.0, self.nbytes, self.world)
 
 
 def world_size(group=None) -> int:
@@ -94,6 +122,47 @@ def _skip(group) -> bool:
         return False
     return not (os.environ.get("RAYDEEP_COLLECTIVES_AT_WORLD_1") == "1" and dist.is_available()
                 and dist.is_initialized())
+
+
+# DeepSpeed's comms_logger while the config enables it; None costs each collective one test.
+_comms_logger: CommsLogger | None = None
+
+
+def configure_comms_logger(section) -> None:
+    """Record every following collective for :func:`log_summary` as the config's ``comms_logger``
+    section says (``verbose``, ``prof_all``, ``prof_ops``, ``debug``); None stops recording.
+    Each call starts with no records, as a new DeepSpeed engine's logger would."""
+    global _comms_logger
+    _comms_logger = None if section is None else CommsLogger(
+        verbose=section.verbose, prof_all=section.prof_all, prof_ops=section.prof_ops, debug=section.debug,
+        rank=rank())
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+    """Log DeepSpeed's comms table of this rank's collectives on rank 0, like
+    ``deepspeed.comm.log_summary()``; with ``return_dict`` also return ``{"summary": ...}``. It
+    reads only this rank's records, so unlike DeepSpeed's it issues no barrier (it may be called
+    on one rank alone). None when the comms logger is off.
+
+    >>> log_summary() is None  # no comms_logger section configured
+    True
+    """
+    if show_straggler:
+        raise NotImplementedError("log_summary(show_straggler=True) is not supported by raydeep")
+    if _comms_logger is None:
+        return None
+    if rank() == 0:
+        logging.getLogger("raydeep").info("%s", _comms_logger.table())
+    if return_dict:
+        return {"summary": _comms_logger.summary(), "straggler_analysis": None,
+                "metadata": {"world_size": world_size(), "rank": rank()}}
+    return None
+
+
+def reset_log() -> None:
+    """Forget the comms logger's records (``deepspeed.comm.reset_log``)."""
+    if _comms_logger is not None:
+        _comms_logger.reset()
 
 
 # The collective-order check (raydeep.collective_order), when on, and the last collective issued
@@ -145,7 +214,15 @@ def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, 
     work = launch(async_op)
     if stats is not None:
         stats.record(op, nbytes, 0.0 if async_op else time.perf_counter() - start)
-    return Pending(work if async_op else None, stats, op)
+    profile = None
+    if _comms_logger is not None and tensor is not None and _comms_logger.profiles(op):
+        profile = _Profile(_comms_logger, op, tensor, group)
+        if async_op:
+            profile.spent_s = time.perf_counter() - start  # the launch; wait() adds the rest
+        else:
+            profile.finish(start)
+            profile = None
+    return Pending(work if async_op else None, stats, op, profile)
 
 
 def all_reduce(tensor: torch.Tensor, stats: CommStats | None = None, op=None, group=None,

@@ -54,6 +54,12 @@ class CheckpointReader:
             raise CheckpointError(f"{storage.describe(fmt.LATEST)} does not exist: no committed checkpoint to load")
         manifest_path = f"{resolved}/{fmt.MANIFEST}"
         if not storage.exists(manifest_path):
+            if storage.exists(f"{resolved}/mp_rank_00_model_states.pt") or \
+                    storage.exists(f"{resolved}/zero_pp_rank_0_mp_rank_00_model_states.pt"):
+                raise CheckpointError(
+                    f"checkpoint {storage.describe(resolved)} is a DeepSpeed checkpoint, not a raydeep one; convert it "
+                    f"once with `raydeep convert import-deepspeed {storage.describe('')} OUT --tag {resolved}` and load "
+                    "OUT (any world size)")
             state = "was never committed (its save did not finish)" if storage.is_dir(resolved) else "does not exist"
             # A tag that ``latest`` names must exist: then its absence is damage, not a wrong name.
             error = CheckpointError if tag is not None else CorruptCheckpointError

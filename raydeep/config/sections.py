@@ -273,6 +273,12 @@ class RaydeepSection(Section):
     # so a divergent rank fails in seconds naming the op, its call site and its unit instead of
     # hanging until the process group times out (raydeep.collective_order; also
     # RAYDEEP_CHECK_COLLECTIVES=1). One small gloo all-gather per collective: for debugging.
+    # Write one row of metrics per optimizer step (rank 0) to <run>/metrics/ as Parquet in
+    # `raydeep train` runs (raydeep.metrics); cheap enough to leave on.
+    metrics: Flag = True
+    # The accelerator's peak dense TFLOP/s for the MFU estimate; None looks the device up in a
+    # table of common GPUs (bf16/fp16 tensor-core peaks) and leaves MFU empty on other devices.
+    peak_tflops: float | None = Field(None, gt=0)
     check_collective_order: Flag = False
     # How long the check waits for a rank that has not announced its next collective.
     collective_order_timeout_s: float = Field(60.0, gt=0)

@@ -3,7 +3,8 @@
 Each dotted field path (``"zero_optimization.offload_optimizer.device"``, ``"fp16.hysteresis"``,
 ``"raydeep.seed"``) has exactly one :class:`Support` entry in ``SUPPORT``:
 
-- ``HONOURED``: the setting takes effect; ``where`` names the modules that read it.
+- ``HONOURED``: the setting takes effect; ``where`` names the modules that read it. One that
+  needs an optional Python package (``package``) is a ConfigError while that package is missing.
 - ``WARNED``: accepted, but it has no effect in raydeep; setting it to a non-default value logs a
   warning naming the key and saying why.
 - ``REFUSED``: setting it to a non-default value is a :class:`~raydeep.errors.ConfigError` naming
@@ -22,6 +23,7 @@ table complete: a new field without an entry fails it.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -40,15 +42,18 @@ class Support:
     status: str
     where: tuple[str, ...] = ()  # HONOURED: modules whose source reads the field
     why: str = ""  # WARNED: why it has no effect; REFUSED: what is not supported
-    fix: str = ""  # REFUSED: what to do instead
+    fix: str = ""  # REFUSED: what to do instead; HONOURED with a package: how to install it
     example: Any = None  # WARNED/REFUSED: a non-default value, as the tests set it
     needs: tuple[tuple[str, Any], ...] = ()  # other keys the example needs to reach this entry
     inert: tuple = ()  # values that mean "off", treated like the default
-    written: bool = False  # REFUSED whenever written, default value included (DeepSpeed 0.19.8 removed it)
+    # REFUSED whenever written, default value included: DeepSpeed 0.19.8 removed the key, or it
+    # belongs to a refused feature whose section is switched on.
+    written: bool = False
+    package: str = ""  # HONOURED: the module a true value needs importable
 
 
-def read(*where: str) -> Support:
-    return Support(HONOURED, where=where)
+def read(*where: str, package: str = "", fix: str = "") -> Support:
+    return Support(HONOURED, where=where, package=package, fix=fix)
 
 
 def warn(why: str, example: Any, needs: dict | None = None) -> Support:
@@ -67,13 +72,15 @@ SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batc
 _NVME = "it configures NVMe offload, which raydeep does not support (CPU offload does not read it)"
 TIERS = "raydeep/tier/select.py"
 WATCHDOG, WORKER, RAY_TRAINER = "raydeep/ray/watchdog.py", "raydeep/ray/worker.py", "raydeep/ray/trainer.py"
-_MONITOR = ("raydeep does not write {name} logs; `raydeep train` reports step, loss and samples through "
-            "ray.train.report with each checkpoint, and steps_per_print logs the step and learning rate")
+_MONITOR = ("the {name} monitor is not supported (no network access from raydeep's workers, which write "
+            "only to the run's storage); use tensorboard or csv_monitor")
+MONITOR = "raydeep/monitor/__init__.py"
+_TENSORBOARD_FIX = "pip install 'raydeep[monitor]' (or pip install tensorboard)"
 _AUTOTUNE = ("raydeep does not run DeepSpeed's autotuner; sweep settings with Ray Tune through "
              "raydeep.ray.tune.make_driver")
 _FLOPS = "the FLOPs profiler is not implemented in raydeep"
-_COMMS = ("raydeep counts the bytes and time of every collective (engine.comm_stats()) and logs them every "
-          "steps_per_print steps while comms_logger is enabled; it has no per-op options")
+_FLOPS_FIX = "remove the flops_profiler section; `raydeep train` reports MFU from the model's FLOPs per token"
+COMMS = ("raydeep/comm.py", "raydeep/comms_logging.py")
 _ZERO_PP = "remove zero_optimization.{key}"
 _UNITS = "raydeep gathers stage-3 parameters per partition unit; choose the units with raydeep.partition_units"
 _STAGE3 = {"zero_optimization.stage": 3}
@@ -95,7 +102,7 @@ SUPPORT: dict[str, Support] = {
         "every gradient_accumulation_steps micro-batches", "remove it and call engine.step() after every "
         "micro-batch, as with the default", False),
     "steps_per_print": read(BUILDER, ENGINE),
-    "wall_clock_breakdown": read(BUILDER),
+    "wall_clock_breakdown": read(BUILDER, ENGINE, "raydeep/engine/metrics.py"),
     "memory_breakdown": warn("raydeep does not print memory use while training; engine.memory_breakdown() "
                              "returns the per-rank bytes", True),
     "dump_state": warn("raydeep does not print the engine state at initialize", True),
@@ -272,13 +279,16 @@ SUPPORT: dict[str, Support] = {
                                              "data-parallel rank)", "set it to 1 or remove it", 2, needs=_ELASTIC),
     # --- logging and monitoring -----------------------------------------------------------------
     "comms_logger.enabled": read("raydeep/config/model.py", BUILDER),
-    **{f"comms_logger.{k}": warn(_COMMS, v) for k, v in {
-        "verbose": True, "prof_all": False, "debug": True, "prof_ops": ["all_reduce"]}.items()},
-    **{f"flops_profiler.{k}": warn(_FLOPS, v) for k, v in {
-        "enabled": True, "recompute_fwd_factor": 1.0, "profile_step": 5, "module_depth": 2, "top_modules": 3,
+    **{f"comms_logger.{k}": read(*COMMS) for k in ("verbose", "prof_all", "debug", "prof_ops")},
+    "flops_profiler.enabled": refuse(_FLOPS, _FLOPS_FIX, True),
+    # With the profiler on, each of its keys is refused as well (the section is off otherwise).
+    **{f"flops_profiler.{k}": refuse(_FLOPS, _FLOPS_FIX, v, written=True) for k, v in {
+        "recompute_fwd_factor": 1.0, "profile_step": 5, "module_depth": 2, "top_modules": 3,
         "detailed": False, "output_file": "flops.txt"}.items()},
-    **_monitor("tensorboard", "TensorBoard", {"enabled": True, "output_path": "logs/", "job_name": "run"}),
-    **_monitor("csv_monitor", "CSV monitor", {"enabled": True, "output_path": "logs/", "job_name": "run"}),
+    "tensorboard.enabled": read(MONITOR, package="tensorboard", fix=_TENSORBOARD_FIX),
+    **{f"tensorboard.{k}": read("raydeep/monitor/tensorboard.py") for k in ("output_path", "job_name")},
+    "csv_monitor.enabled": read(MONITOR),
+    **{f"csv_monitor.{k}": read("raydeep/monitor/csv_monitor.py") for k in ("output_path", "job_name")},
     **_monitor("wandb", "Weights & Biases", {"enabled": True, "group": "g", "team": "t", "project": "p"}),
     **_monitor("comet", "Comet", {"enabled": True, "samples_log_interval": 10, "project": "p", "workspace": "w",
                          "api_key": "k", "experiment_name": "e", "experiment_key": "k", "online": True,
@@ -301,6 +311,8 @@ SUPPORT: dict[str, Support] = {
     "raydeep.offload_actor_cpus": read(TIERS),
     "raydeep.empty_cache_every": read(BUILDER, ENGINE),
     "raydeep.overflow_diagnosis_after": read(BUILDER, ENGINE),
+    "raydeep.metrics": read("raydeep/ray/step_metrics.py"),
+    "raydeep.peak_tflops": read("raydeep/ray/step_metrics.py"),
     "raydeep.check_collective_order": read(BUILDER, "raydeep/collective_order.py"),
     "raydeep.collective_order_timeout_s": read(BUILDER, "raydeep/collective_order.py"),
     "raydeep.seed": refuse("is not read by raydeep: nothing is seeded from it",
@@ -325,6 +337,9 @@ def check_support(cfg: BaseModel, errors: list[ConfigError], warnings: list[str]
     """
     for path, value in changed_fields(cfg):
         entry = SUPPORT.get(path)
+        if entry is not None and entry.package and value and importlib.util.find_spec(entry.package) is None:
+            errors.append(ConfigError(as_written(path, written or {}), f"needs the {entry.package!r} package, "
+                                      "which is not installed", value=value, fix=entry.fix))
         if entry is None or entry.status == HONOURED:
             continue
         key = as_written(path, written or {})
@@ -405,7 +420,9 @@ def support_table() -> str:
     rows = ["| Key | Status | Where it is read / why |", "|---|---|---|"]
     for path, entry in SUPPORT.items():
         detail = ", ".join(f"`{m}`" for m in entry.where) if entry.status == HONOURED else entry.why
-        if entry.fix:
+        if entry.package:
+            detail += f" (needs the `{entry.package}` package: {entry.fix})"
+        elif entry.fix:
             detail += f". Fix: {entry.fix}"
         rows.append(f"| `{path}` | {entry.status} | {detail.replace('|', '/')} |")
     return "\n".join(rows)

@@ -206,7 +206,8 @@ def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None
                         optimizer_states=est.optimizer_states + full.optimizer_states, cpu=est.cpu + full.cpu)
     part = -(-shape.params // n) if stage >= 1 else shape.params
     rows = [MemoryRow("params", est.params, _params_note(stage, n, persistent, offload_param)),
-            MemoryRow("grads", est.grads, "1/N of the gradients" if stage >= 2 else "every gradient"),
+            MemoryRow("grads", est.grads, "reduced straight into the CPU's fp32 gradient partition"
+                      if offload_opt and stage >= 2 else "1/N of the gradients" if stage >= 2 else "every gradient"),
             MemoryRow("master", est.master, "fp32 master weights" + (", 1/N" if stage >= 1 else "")
                       if precision != "fp32" else "the fp32 weights are the master"),
             MemoryRow("optimizer_states", est.optimizer_states, "Adam momentum + variance (fp32)"

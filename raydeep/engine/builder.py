@@ -24,6 +24,7 @@ from raydeep.config import RaydeepConfig
 from raydeep.errors import ConfigError
 from raydeep.engine.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
+from raydeep.monitor import build_monitors
 from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import SCHEDULER_NAMES, build_scheduler
 from raydeep.precision.loss_scaler import build_loss_scaler
@@ -48,6 +49,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     dtype = DTYPES[cfg.precision]
     stage = cfg.zero_optimization.stage
     stats = comm.CommStats()
+    # Before the first broadcast, as DeepSpeed configures its comms logger before its own.
+    comm.configure_comms_logger(cfg.comms_logger)
     _place_parameters(model, device, dtype, stats, stage)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.raydeep.checkpoint_modules)
     groups = _param_groups(model, model_parameters)
@@ -65,10 +68,11 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         precision=cfg.precision, stage=stage, steps_per_print=cfg.steps_per_print,
         skip_nonfinite=cfg.precision != "bf16" or stage in (0, 3) or cfg.bf16.check_grad_overflow,
         compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
-        comms_logger=cfg.comms_logger is not None or cfg.wall_clock_breakdown,
+        comms_logger=cfg.comms_logger is not None, wall_clock_breakdown=cfg.wall_clock_breakdown,
         empty_cache_every=cfg.raydeep.empty_cache_every,
         overflow_diagnosis_after=cfg.raydeep.overflow_diagnosis_after)
-    return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world)
+    return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world,
+                  monitors=build_monitors(cfg, rank))
 
 
 def _place_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype, stats, stage: int) -> None:

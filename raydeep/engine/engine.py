@@ -7,7 +7,9 @@
 At the boundary, ``_take_model_step`` does, in order: global gradient norm (one all-reduce) ->
 overflow decision -> loss scaler update -> one scale (unscale x clip) -> the optimizer tier's step
 on this rank's shards (``raydeep.tier``: fp32 masters, optimizer states, the update) -> publish the
-updated parameters (all-gather for stages 1-3) -> scheduler (not on a skipped step).
+updated parameters (all-gather for stages 1-3) -> scheduler (not on a skipped step). Then the
+step's measurements (``raydeep.engine.metrics``) become ``engine.step_metrics`` and go to the
+monitors (``raydeep.monitor``) and, with ``wall_clock_breakdown``, to DeepSpeed's timer lines.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from raydeep import comm
 from raydeep.checkpoint import Checkpointer
 from raydeep.optim.clip import clip_coefficient
 from raydeep.doctor.oom import diagnose_oom, is_out_of_memory
+from raydeep.engine.metrics import GLOBAL_TIMERS, StepMeter, timer_line
+from raydeep.monitor import step_events
 from raydeep.precision.diagnosis import LossScaleCollapse, OverflowWatch
 from raydeep.precision.loss_scaler import MIN_SCALE_ERROR, overflow_flag
 
@@ -44,6 +48,7 @@ class EngineSettings:
     compute_grad_norm: bool = True
     auto_cast: bool = False
     comms_logger: bool = False
+    wall_clock_breakdown: bool = False
     empty_cache_every: int = 0
     overflow_diagnosis_after: int = 5
 
@@ -61,7 +66,7 @@ class Engine(nn.Module):
     """
 
     def __init__(self, module, strategy, tier, lr_scheduler, scaler, stats, settings: EngineSettings,
-                 device: torch.device, rank: int, world_size: int):
+                 device: torch.device, rank: int, world_size: int, monitors=None):
         super().__init__()
         self.module = module
         self.strategy, self.tier, self.lr_scheduler, self.loss_scaler = strategy, tier, lr_scheduler, scaler
@@ -79,6 +84,12 @@ class Engine(nn.Module):
         self._step_applied = False
         self.overflow_watch = OverflowWatch(settings.overflow_diagnosis_after)
         self._seq: int | None = None  # the last forward's sequence length
+        self.monitors = monitors  # rank 0's tensorboard / csv_monitor, or None
+        self.meter = StepMeter(stats, device, settings.wall_clock_breakdown,
+                               model_state_bytes=lambda: self.memory_breakdown()["total"])
+        self.step_metrics: dict | None = None  # the last optimizer step's (raydeep.engine.metrics)
+        self.step_loss: torch.Tensor | None = None  # its mean loss, on the device: read it if you need it
+        self._step_scale = scaler.loss_scale
 
     # --- forward / backward / step ------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -86,8 +97,11 @@ class Engine(nn.Module):
             inputs = tuple(t.half() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
         if inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
             self._seq = inputs[0].shape[1]  # (batch, seq, ...): what an out-of-memory diagnosis sizes
+        start, blocked = self.meter.now(), self.stats.total_blocked_s
         with self._memory_diagnosis("forward"):
-            return self.module(*inputs, **kwargs)
+            out = self.module(*inputs, **kwargs)
+        self.meter.forward_done(start, self.stats.total_blocked_s - blocked)  # stage 3 waits for gathers
+        return out
 
     @contextlib.contextmanager
     def _memory_diagnosis(self, phase: str):
@@ -109,6 +123,8 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Divide by GAS, apply the loss scale, backpropagate, reduce gradients; returns loss / GAS."""
         assert loss.dim() == 0, "engine.backward expects a scalar loss"
+        self.meter.add_loss(loss)  # before the division by GAS: step_loss is the loss the model gave
+        start, blocked = self.meter.now(), self.stats.total_blocked_s
         if scale_wrt_gas and self.settings.grad_accum > 1:
             loss = loss / self.settings.grad_accum
         boundary = self.is_gradient_accumulation_boundary()
@@ -117,6 +133,8 @@ class Engine(nn.Module):
             self.strategy.begin_backward(boundary)
             scaled.backward(retain_graph=retain_graph)
             self.strategy.end_backward(boundary)
+        # Reductions run from the hooks: the time blocked on them is DeepSpeed's backward_allreduce.
+        self.meter.backward_done(start, self.stats.total_blocked_s - blocked)
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -124,14 +142,38 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every micro-batch; applies the update only at the accumulation boundary."""
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        start = self.meter.now()
+        if boundary:
             with self._memory_diagnosis("optimizer step"):
                 self._take_model_step(lr_kwargs)
+            self.meter.optimizer_s = self.meter.now() - start
+        self.meter.step_done(start)
+        if self.settings.wall_clock_breakdown:  # DeepSpeed logs the micro timers every micro-step
+            line = self.meter.micro_line()
+            if self.rank == 0:
+                logger.info("%s", line)
+        if boundary:
+            self._record_step()
         self.micro_steps += 1
+
+    def _record_step(self) -> None:
+        """``step_metrics``, ``step_loss``, the monitors' events and the per-step timer line."""
+        self.step_loss = self.meter.take_loss()
+        self.step_metrics = self.meter.finish(
+            step=self.global_steps, samples=self.global_samples, lr=self.get_lr()[0], loss_scale=self._step_scale,
+            grad_norm=self._global_grad_norm, skipped_steps=self.skipped_steps, applied=self._step_applied)
+        timer_ms = self.meter.step_times.milliseconds() if self.settings.wall_clock_breakdown else None
+        if self.monitors is not None:  # rank 0 only; the one host read of the loss per step
+            loss = None if self.step_loss is None else float(self.step_loss)
+            scale = self.loss_scaler.loss_scale if self.fp16_enabled() else None
+            self.monitors.write_events(step_events(self.step_metrics, loss, scale, timer_ms))
+        if timer_ms is not None and self.rank == 0:
+            logger.info("%s", timer_line(GLOBAL_TIMERS, self.meter.step_times))
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         self.checkpointer.fence()  # an asynchronous save copies the states before they change
-        scale = self.loss_scaler.loss_scale
+        scale = self._step_scale = self.loss_scaler.loss_scale
         # In a compressed stage each rank holds its own gradients: the decisions below must still
         # be the same on every rank (a rank that skips would leave the others waiting in the
         # optimizer's all-reduce), so they are taken from one all-reduced number.
@@ -212,7 +254,7 @@ class Engine(nn.Module):
             logger.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
                         self.get_lr(), self.get_mom())
             if self.settings.comms_logger:
-                logger.info("comm: %s", self.comm_stats())
+                comm.log_summary()  # DeepSpeed's comms table, since the engine was built
 
     # --- checkpoints (see raydeep.checkpoint) ----------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -239,6 +281,7 @@ class Engine(nn.Module):
         Returns ``(load_path, client_state)``, or ``(None, None)`` when there is no ``latest``."""
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported by raydeep")
+        self.meter.forget_state_bytes()
         return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only)
 
@@ -247,10 +290,13 @@ class Engine(nn.Module):
         self.checkpointer.wait()
 
     def destroy(self) -> None:
-        """Wait for an asynchronous save and release the optimizer tier's offload actors."""
+        """Wait for an asynchronous save, release the optimizer tier's offload actors and close
+        the monitors' files."""
         self.checkpointer.wait()
         self.tier.close()
         comm.disable_order_check()
+        if self.monitors is not None:
+            self.monitors.close()
 
     # --- DeepSpeed's accessors ---------------------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
+from raydeep.errors import RaydeepError
 
 logger = logging.getLogger("raydeep")
 
@@ -25,8 +26,10 @@ ADVICE = ("try a lower learning rate (or a longer warm-up), \"bf16\" instead of 
           "\"gradient_clipping\" (1.0 is usual), a larger \"fp16.hysteresis\", and check the data for inf/NaN inputs")
 
 
-class LossScaleCollapse(Exception):
-    """DeepSpeed's minimum-scale exception (the same message first), with the diagnosis attached."""
+class LossScaleCollapse(RaydeepError):
+    """DeepSpeed's minimum-scale exception (the same message first), with the diagnosis attached.
+    A raydeep error: resuming from the last checkpoint replays the same batches into the same
+    collapse, so Ray Train must not retry it (the run ends with this message, exit status 2)."""
 
 
 def nonfinite_parameters(units) -> list[str]:

@@ -10,7 +10,9 @@ One attempt of a run, on every rank:
    ``[global_samples, global_samples + train_batch_size)`` of the run's sample order, records
    them in the ledger, and every ``checkpoint_every`` steps (and at the end) saves through the
    session; the session hears when each step starts and ends (its step watchdog reports a rank
-   stuck in one);
+   stuck in one) and gets each step's loss, tokens/s and MFU; rank 0 writes the step's row of
+   ``<run>/metrics/`` (:mod:`raydeep.ray.step_metrics`), flushed before every checkpoint so
+   each checkpointed step's row is on disk before the checkpoint can be resumed from;
 4. consolidate the fp32 parameters and return what the run's summary needs.
 
 The session is the only thing that knows about Ray (:class:`raydeep.ray.worker.RaySession`), so
@@ -26,10 +28,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raydeep.config.sections import RaydeepSection
 from raydeep.errors import CheckpointError
 from raydeep.ray.batch_plan import BatchSchedule
 from raydeep.ray.ledger import SampleLedger, SampleOrder, micro_positions, step_ids_in_position_order
 from raydeep.ray.spec import TrainSpec
+from raydeep.ray.step_metrics import StepMetrics, flops_per_token, throughput_of
 from raydeep.ray.weights import consolidated_fp32, param_sha256, save_fp32
 from raydeep.ray.workload import build_model, collate, open_dataset, sequence_shape
 
@@ -70,10 +74,14 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
 
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = schedule.for_world_size(world)
+    options = RaydeepSection.model_validate(ds_config.get("raydeep") or {})
     model = build_model(spec.model, spec.seed)
     block_size, vocab_size = sequence_shape(model)
-    engine, *_ = raydeep.initialize(model=model, config=schedule.engine_config(ds_config, world))
     dataset = open_dataset(spec.data, block_size, vocab_size, spec.seed)
+    tokens_per_sample = int(getattr(dataset, "block_size", block_size))
+    model_flops = flops_per_token(model, tokens_per_sample)  # before ZeRO-3 leaves each rank its slices only
+    engine, *_ = raydeep.initialize(model=model, config=schedule.engine_config(ds_config, world))
+    throughput = throughput_of(options, engine, tokens_per_sample, model_flops)
     order = SampleOrder(len(dataset), spec.seed)
 
     source = {"data": spec.data, "num_samples": len(dataset), "seed": spec.seed}
@@ -82,7 +90,9 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
                "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time(),
                "skipped_checkpoints": [list(entry) for entry in session.skipped]}
     attempts = list(state.get("attempts", [])) + [attempt]
-    session.attempt_started({**attempt, "attempt": len(attempts) - 1})
+    restarts = len(attempts) - 1  # this attempt's index in the run's history
+    session.attempt_started({**attempt, "attempt": restarts})
+    metrics = StepMetrics.start(options, spec.run_uri, engine, restarts)  # does nothing with raydeep.metrics off
     first_loss, last_loss = state.get("first_loss"), state.get("last_loss")
 
     while engine.global_steps < spec.steps:
@@ -93,16 +103,18 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         seconds = time.time() - started
         session.step_finished(seconds)
         first_loss = last_loss if first_loss is None else first_loss
-        step = engine.global_steps
-        session.step_done({"step": step, "loss": last_loss, "samples": engine.global_samples,
-                           "seconds": seconds, "time": time.time(), "phase": engine.tier.phase})
-        if step == spec.steps or (spec.checkpoint_every and step % spec.checkpoint_every == 0):
+        step, rates = engine.global_steps, throughput.of(seconds)
+        saving = step == spec.steps or bool(spec.checkpoint_every and step % spec.checkpoint_every == 0)
+        metrics.record(engine.step_metrics, loss=last_loss, step_s=seconds, rates=rates, phase=engine.tier.phase,
+                       saving=saving)
+        session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
+        if saving:
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
-            session.save(engine, _tag(step, session.skipped, len(attempts)), client_state,
-                         {"step": step, "loss": last_loss, "samples": engine.global_samples,
-                          "samples_sha256": ledger.digest})
+            _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
+                        checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest))
 
+    metrics.close()
     params = consolidated_fp32(engine)
     result = {"first_loss": first_loss, "final_loss": last_loss, "global_steps": engine.global_steps,
               "global_samples": engine.global_samples, "param_sha256": param_sha256(params),
@@ -114,6 +126,33 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         save_fp32(params, f"{spec.run_uri}/model_fp32.safetensors")
     engine.destroy()  # releases the offload actors now rather than when the worker exits
     return result
+
+
+def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict, report: dict) -> None:
+    """Save through the session; the step's metrics row is written first.
+
+    Note: the flush comes before the save so that a checkpoint a later attempt may resume from
+    never holds a step whose row is not on disk. The save's seconds reach the row at the next
+    flush (null on disk until then).
+    """
+    metrics.before_checkpoint()
+    started = time.time()
+    session.save(engine, tag, client_state, report)
+    metrics.checkpoint_saved(time.time() - started)
+
+
+def _step_event(engine, loss: float, seconds: float, rates: dict, restarts: int) -> dict:
+    """What the session hears of a finished step (the driver's progress bar shows it)."""
+    return {"step": engine.global_steps, "loss": loss, "samples": engine.global_samples, "seconds": seconds,
+            "time": time.time(), "phase": engine.tier.phase, "tokens_s": rates["tokens_per_s"], "mfu": rates["mfu"],
+            "loss_scale": engine.cur_scale() if engine.fp16_enabled() else None, "restarts": restarts}
+
+
+def checkpoint_report(step: int, loss: float, step_s: float, rates: dict, samples: int, samples_sha256: str) -> dict:
+    """The metrics reported to Ray Train with a checkpoint: its result, its dashboard, and a Tune
+    trial's results. The rates come first: Tune's table shows the first few numbers it finds."""
+    return {"loss": loss, "tokens_s": rates["tokens_per_s"], "mfu": rates["mfu"], "samples_s": rates["samples_per_s"],
+            "step_s": step_s, "step": step, "samples": samples, "samples_sha256": samples_sha256}
 
 
 def _offload_section(engine, world: int) -> dict | None:

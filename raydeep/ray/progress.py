@@ -49,17 +49,17 @@ class MonitorPoller(threading.Thread):
 
 
 class ProgressBar:
-    """A rich progress bar of the global step, with the loss, the world size and restarts."""
+    """A rich progress bar of the global step, with what the latest step said (:func:`step_status`)."""
 
     def __init__(self, total_steps: int, console=None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.console = console or Console()
-        columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                   TextColumn("workers {task.fields[world]}"), TextColumn("{task.fields[phase]}"), TimeRemainingColumn()]
+        columns = [TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                   TimeRemainingColumn()]
         self.progress = Progress(*columns, console=self.console)
-        self.task = self.progress.add_task("train", total=total_steps, loss="-", world="-", phase="")
+        self.task = self.progress.add_task("train", total=total_steps, status="")
         self._attempts_shown = 0
 
     def __enter__(self):
@@ -84,12 +84,33 @@ class ProgressBar:
         self._attempts_shown = len(attempts)
         latest = snapshot["latest"]
         if latest:
-            world = attempts[latest["attempt"]]["world_size"] if latest.get("attempt") is not None else "-"
-            phase = latest.get("phase") or ""  # warm-up / compressed (1-bit Adam, 0/1 Adam)
-            self.progress.update(self.task, completed=latest["step"], loss=f"{latest['loss']:.3f}", world=world,
-                                 phase=phase)
+            world = attempts[latest["attempt"]]["world_size"] if latest.get("attempt") is not None else None
+            self.progress.update(self.task, completed=latest["step"], status=step_status(latest, world))
         elif attempts:
             self.progress.update(self.task, completed=attempts[-1]["resumed_from_step"])
+
+
+def step_status(latest: dict, world_size: int | None) -> str:
+    """The bar's text for the latest step event: loss, tokens/s, MFU (when the chip's peak is
+    known), the loss scale (fp16 runs), the workers, the restarts so far and the optimizer's
+    phase (1-bit Adam, 0/1 Adam: warm-up / compressed).
+
+    >>> step_status({"loss": 4.81234, "tokens_s": 12345.6, "mfu": 0.4123, "loss_scale": 65536.0, "restarts": 1,
+    ...              "phase": "compressed"}, 2)
+    'loss 4.812  12,346 tok/s  MFU 41.2%  scale 65536  workers 2  restarts 1  compressed'
+    """
+    parts = [f"loss {latest['loss']:.3f}"]
+    if latest.get("tokens_s") is not None:
+        parts.append(f"{latest['tokens_s']:,.0f} tok/s")
+    if latest.get("mfu") is not None:
+        parts.append(f"MFU {100 * latest['mfu']:.1f}%")
+    if latest.get("loss_scale") is not None:
+        parts.append(f"scale {latest['loss_scale']:g}")
+    parts.append(f"workers {world_size if world_size is not None else '-'}")
+    parts.append(f"restarts {latest.get('restarts', 0)}")
+    if latest.get("phase"):
+        parts.append(latest["phase"])
+    return "  ".join(parts)
 
 
 class HangPrinter:

@@ -8,6 +8,7 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
     propagates, and the command line turns it into one message and exit status 2."""
     from rich.console import Console
 
+    from raydeep.config.sections import RaydeepSection
     from raydeep.ray.progress import ProgressBar
     from raydeep.ray.trainer import connect, fit, plan_run
 
@@ -32,6 +33,8 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
                       "checkpoint; --verbose shows the workers' logs")
         return 1
     print_summary(console, summary)
+    if RaydeepSection.model_validate(plan[0].get("raydeep") or {}).metrics:
+        console.print(f"metrics: {spec.run_uri}/metrics/ (a row per step; raydeep.metrics.read_metrics reads them)")
     return 0
 
 

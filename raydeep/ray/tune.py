@@ -15,9 +15,12 @@ Ray 2.60's Train V2 trainers are not Tune trainables (``Tuner(trainer)`` is gone
 
 A trial's config may hold ``"set"`` (dotted ds_config keys to values, like ``raydeep train --set``)
 and ``"num_workers"`` (a count or ``(min, max)``). Each trial is its own run,
-``<spec.name>-<trial id>``: Tune sees every checkpoint's ``ray.train.report`` metrics (``step``,
-``loss``, ``samples``, plus ``checkpoint_path``), and a trial that Tune restarts resumes its run
-from its last checkpoint, because the trial id, and so the run name, stays the same.
+``<spec.name>-<trial id>``: Tune sees every checkpoint's ``ray.train.report`` metrics (``loss``,
+``tokens_s``, ``mfu`` (None without a known peak: see ``raydeep.peak_tflops``), ``samples_s``,
+``step_s``, ``step``, ``samples``, plus ``checkpoint_path``; Tune's results table shows the first
+few numbers, so the loss and the rates come first), and a trial that Tune restarts resumes its
+run from its last checkpoint, because the trial id, and so the run name, stays the same. Each
+run also writes its per-step rows under ``<run>/metrics/`` (:func:`raydeep.metrics.read_metrics`).
 """
 from __future__ import annotations
 

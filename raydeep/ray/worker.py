@@ -12,7 +12,9 @@ attempt. The session adds raydeep's part:
 - the restore reads the newest committed checkpoint (Ray Train's, or a newer one raydeep's
   ``latest`` names), resharding when the world size changed; a damaged one (a file failing its
   sha256) is passed over for the newest intact one, with a warning the driver shows;
-- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor`;
+- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor` and, from rank 0, to
+  Prometheus gauges (:mod:`raydeep.ray.gauges`); each checkpoint's report carries the step's
+  loss, tokens/s, MFU, samples/s and step time, which Ray Train's result and Tune's trials show;
 - every rank runs a step watchdog (:mod:`raydeep.ray.watchdog`, ``raydeep.watchdog``): a step
   that outlives ``raydeep.step_timeout_s`` (derived from the recent step times when unset) dumps
   every thread's stack under ``<run>/diagnostics/attempt-<A>/`` and tells the driver.
@@ -35,6 +37,7 @@ from raydeep.checkpoint.format import LATEST
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.config.sections import RaydeepSection
 from raydeep.errors import CheckpointError
+from raydeep.ray.gauges import StepGauges
 from raydeep.ray.loop import run_training
 from raydeep.ray.watchdog import HangReporter, StepWatchdog
 
@@ -104,6 +107,7 @@ class RaySession:
             monitor.worker_started.remote(self.token, self.rank, {
                 "pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
                 "local_rank": context.get_local_rank(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+        self.gauges = StepGauges(spec.name) if self.rank == 0 else None
         self.hang_reporter, self.watchdog = None, None
         options = RaydeepSection.model_validate((ds_config or {}).get("raydeep") or {})
         if options.watchdog:
@@ -152,8 +156,11 @@ class RaySession:
             self.watchdog.step_finished(seconds)
 
     def step_done(self, event: dict) -> None:
-        if self.monitor is not None and self.rank == 0:
+        if self.rank != 0:
+            return
+        if self.monitor is not None:
             self.monitor.step_done.remote(self.token, event)
+        self.gauges.set(event)
 
     def close(self) -> None:
         if self.watchdog is not None:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -136,9 +137,25 @@ class KillRankOne:
             os.kill(self.attempts[0]["workers"][1]["pid"], signal.SIGKILL)
 
 
-def test_sigkill_of_a_worker_resumes_bitwise(uninterrupted, storage):
+def monitored_config(out) -> dict:
+    """The default ds_config with DeepSpeed's monitors, timers and comms logger on: none of them
+    changes the arithmetic, so the run still ends bitwise equal to the uninterrupted one."""
+    import copy
+
+    from raydeep.ray.spec import DEFAULT_DS_CONFIG
+
+    return {**copy.deepcopy(DEFAULT_DS_CONFIG), "steps_per_print": EVERY, "wall_clock_breakdown": True,
+            "comms_logger": {"enabled": True},
+            "tensorboard": {"enabled": True, "output_path": str(out / "tb"), "job_name": "kill"},
+            "csv_monitor": {"enabled": True, "output_path": str(out / "csv"), "job_name": "kill"}}
+
+
+def test_sigkill_of_a_worker_resumes_bitwise(uninterrupted, storage, cluster, tmp_path):
+    """Rank 1 is killed past the first checkpoint; the restarted group ends with the uninterrupted
+    run's weights and samples. The run's observability survives it too (see the checks below)."""
     kill = KillRankOne(after_step=EVERY + 2)
-    summary = fit(spec_for(storage, "killed"), on_progress=kill)
+    spec = spec_for(storage, "killed", ds_config=monitored_config(tmp_path))
+    summary = fit(spec, on_progress=kill)
     assert kill.killed_at is not None, "the run ended before a worker could be killed"
     assert summary["world_sizes"] == [2, 2] and summary["restarts"] == 1
     recovery = summary["recoveries"][0]
@@ -149,6 +166,47 @@ def test_sigkill_of_a_worker_resumes_bitwise(uninterrupted, storage):
     print(f"\nSIGKILL of rank 1 at step {kill.step}: new worker group running the train function after "
           f"{restarted['entered_at'] - kill.killed_at:.1f} s; next completed step {restarted['first_step_at'] - kill.killed_at:.1f} s "
           f"after the kill (resumed at step {recovery['resumed_from_step']})")
+    check_step_metrics(spec.run_uri, recovery["resumed_from_step"])
+    check_monitors(tmp_path, cluster[0].head_node, spec.name)
+
+
+def check_step_metrics(run_uri: str, resumed: int) -> None:
+    """The Parquet rows: one per step across both attempts; the killed attempt's rows past the
+    checkpoint the restart resumed from were cut, and attempt 1's start right after it."""
+    from raydeep.metrics import read_metrics
+
+    rows = read_metrics(run_uri).to_pylist()
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["attempt"] for r in rows] == [0] * resumed + [1] * (STEPS - resumed)
+    assert all(r["restarts"] == r["attempt"] and r["world_size"] == 2 for r in rows)
+    assert [r["samples"] for r in rows] == [BATCH * r["step"] for r in rows]
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows)  # no peak on a CPU
+    assert all(len(r["model_state_bytes"]) == 2 and min(r["model_state_bytes"]) > 0 for r in rows)
+    assert all(r["bytes_all_gather"] > 0 and r["bytes_reduce_scatter"] > 0 for r in rows)  # ZeRO-3
+    # Every step without a save spent none; each save of attempt 1 reached its row at a later flush.
+    assert all(r["checkpoint_s"] == 0 for r in rows if r["step"] % EVERY)
+    assert all(r["checkpoint_s"] > 0 for r in rows if r["attempt"] == 1 and r["step"] % EVERY == 0)
+
+
+def check_monitors(out, head_node, run_name: str) -> None:
+    """DeepSpeed's TensorBoard and CSV files, and its timer lines and comms table in the workers'
+    logs (Ray Train's application log of each worker, JSON lines tagged with the run's name)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb" / "kill"))
+    events.Reload()
+    losses = events.Scalars("Train/Samples/train_loss")
+    assert losses[-1].step == STEPS * BATCH  # x is global_samples, as DeepSpeed writes it
+    assert (out / "csv" / "kill" / "Train_Samples_train_loss.csv").is_file()
+    assert (out / "csv" / "kill" / "Train_Samples_lr.csv").is_file()
+    messages = []
+    for log in (Path(head_node.get_session_dir_path()) / "logs" / "train").glob("ray-train-app-worker-*.log"):
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("run_name") == run_name:
+                messages.append(record.get("message", ""))
+    assert any(m.startswith("time (ms) | fwd:") for m in messages), messages[-20:]
+    assert any("Comm. Op" in m for m in messages), messages[-20:]
 
 
 def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(storage):

@@ -222,16 +222,21 @@ def test_python_names_in_messages_exist():
 
 
 def test_no_message_promises_what_raydeep_lacks():
-    """There is no `raydeep tune` command and raydeep reports no MFU; no warning may say otherwise."""
+    """There is no `raydeep tune` command; MFU is `raydeep train`'s (from the model's FLOPs per
+    token), never the engine's; the monitors raydeep writes are tensorboard and csv_monitor."""
     rules = (REPO / "raydeep/config/rules.py").read_text()
     for text in _texts() + [rules]:
-        assert "raydeep tune" not in text and "MFU" not in text
+        assert "raydeep tune" not in text
+        assert "MFU" not in text or "`raydeep train` reports MFU" in text, text
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "autotuning": {"enabled": True},
-                       "flops_profiler": {"enabled": True}, "tensorboard": {"enabled": True}})
+                       "wandb": {"enabled": True}, "tensorboard": {"enabled": True}})
     by_key = {w.split(" = ")[0]: w for w in cfg.warnings}
     assert "raydeep.ray.tune.make_driver" in by_key["autotuning.enabled"]
-    assert "not implemented" in by_key["flops_profiler.enabled"]
-    assert "ray.train.report" in by_key["tensorboard.enabled"]
+    assert "use tensorboard or csv_monitor" in by_key["wandb.enabled"]
+    assert "tensorboard.enabled" not in by_key
+    with pytest.raises(ConfigError, match="the FLOPs profiler is not implemented in raydeep") as info:
+        load_config({"train_micro_batch_size_per_gpu": 1, "flops_profiler": {"enabled": True}})
+    assert info.value.key == "flops_profiler.enabled" and "MFU" in info.value.fix
 
 
 def test_docs_table_is_the_code_table():
