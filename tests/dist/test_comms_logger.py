@@ -33,6 +33,11 @@ def logged_training(stage: int) -> dict:
     lines, log = _Lines(), logging.getLogger("raydeep")
     log.addHandler(lines)
     level, log.level = log.level, logging.INFO
+    # A pooled rank may have run a workload whose imports reconfigured logging (dictConfig with
+    # disable_existing_loggers, logging.disable): this one reads the raydeep logger's lines.
+    disabled, log.disabled = log.disabled, False
+    floor = logging.root.manager.disable
+    logging.disable(logging.NOTSET)
     try:
         model = tiny_gpt()
         broadcast = len(list(model.parameters())) + len(list(model.buffers()))  # rank 0's weights, at build
@@ -48,6 +53,8 @@ def logged_training(stage: int) -> dict:
         comm.configure_comms_logger(None)  # the pooled rank runs other tests next
         log.removeHandler(lines)
         log.setLevel(level)
+        log.disabled = disabled
+        logging.disable(floor)
 
 
 def _table_rows(text: str) -> dict[str, dict[str, int]]:
