@@ -199,7 +199,8 @@ def last_collective() -> str | None:
     if _last is None:
         return None
     op, shape, dtype, owner, at = _last
-    return f"{op} {shape} {dtype}{f' of {owner}' if owner else ''}, {time.time() - at:.1f} s ago"
+    dtype = str(dtype).removeprefix("torch.")
+    return f"{op} {tuple(shape)} {dtype}{f' of {owner}' if owner else ''}, {time.time() - at:.1f} s ago"
 
 
 def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, tensor=None, group=None,
@@ -209,7 +210,7 @@ def _run(op: str, nbytes: int, stats: CommStats | None, async_op: bool, launch, 
         check_device(op, tensor, dist.get_backend(group))
         if _order_checker is not None and group is None and _checking():
             _order_checker.check(op, tensor, owner)
-        _last = (op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), owner, time.time())
+        _last = (op, tensor.shape, tensor.dtype, owner, time.time())  # formatted only when read
     start = time.perf_counter()
     work = launch(async_op)
     if stats is not None:

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = [
     "GB",
+    "PRECISION_BYTES",
     "MemoryEstimate",
     "deepspeed_zero2_estimate",
     "deepspeed_zero3_estimate",
@@ -51,7 +52,8 @@ __all__ = [
 
 GB = 1e9  # decimal gigabytes, as the ZeRO paper and DeepSpeed's estimator printouts use
 
-_LOW_PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+# Bytes per element of each training dtype (also the doctor's: raydeep.doctor).
+PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _FP32 = 4
 _ADAM_STATE_BYTES = 8  # momentum + variance, fp32 each
 
@@ -110,8 +112,8 @@ def _check_args(num_params: int, world_size: int, stage: int, precision: str,
         raise ValueError(f"need num_params >= 0 and world_size >= 1, got {num_params}, {world_size}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if precision not in _LOW_PRECISION_BYTES:
-        raise ValueError(f"precision must be one of {sorted(_LOW_PRECISION_BYTES)}, got {precision!r}")
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     if offload_optimizer and stage == 0:
         raise ValueError("offload_optimizer needs ZeRO stage >= 1")
     if offload_param and stage != 3:
@@ -149,7 +151,7 @@ def estimate_model_states(num_params: int, world_size: int, stage: int, precisio
     _check_args(num_params, world_size, stage, precision, offload_optimizer, offload_param)
     if reduce_bucket_size <= 0 or allgather_bucket_size <= 0:
         raise ValueError("bucket sizes must be positive")
-    low = _LOW_PRECISION_BYTES[precision]
+    low = PRECISION_BYTES[precision]
     part = -(-num_params // world_size)  # ceil: the largest rank's partition
     opt_elems = part if stage >= 1 else num_params
     params = low * (part if stage == 3 else num_params)

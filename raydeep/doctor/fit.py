@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from raydeep.config import load_config
+from raydeep.config.loading import apply_overrides
 from raydeep.doctor.memory import MemoryPlan, plan_memory
 from raydeep.doctor.shape import Cluster, ModelShape
 from raydeep.doctor.traffic import predict_traffic
@@ -53,18 +54,9 @@ def step_seconds(cfg, shape: ModelShape, cluster: Cluster) -> tuple[float, float
     return flops / COMPUTE_FLOPS, predict_traffic(cfg, shape).ring_bytes / bandwidth
 
 
-def _apply(raw: dict, settings: dict) -> dict:
-    out = copy.deepcopy(raw)
-    for key, value in settings.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is None:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return out
+def apply_change(raw: dict, settings: dict) -> dict:
+    """A copy of ``raw`` with the dotted ``settings`` set, as ``--set`` sets them."""
+    return apply_overrides(copy.deepcopy(raw), settings)
 
 
 def _attention_share(shape: ModelShape) -> float:
@@ -170,7 +162,7 @@ def _evaluate(raw: dict, cfg, shape: ModelShape, cluster: Cluster, parts: list) 
     for _, more, _ in parts:
         settings.update(more)
     try:
-        after = load_config(_apply(raw, settings), world_size=cluster.world_size)
+        after = load_config(apply_change(raw, settings), world_size=cluster.world_size)
     except ConfigError:
         return None  # a change this config cannot take (e.g. an optimizer ZeRO refuses)
     plan = plan_memory(after, shape, cluster.device_memory, cluster.host_memory, cluster.gpus_per_node)

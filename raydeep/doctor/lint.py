@@ -24,6 +24,7 @@ from raydeep.config.model import UNSUPPORTED, RaydeepConfig
 from raydeep.config.rules import ACCUMULATION_CLIP_STEPS, accumulation_advice
 from raydeep.config.support import HONOURED, SUPPORT, as_written, changed_fields
 from raydeep.doctor.shape import Cluster, Finding, ModelShape, Severity
+from raydeep.estimate import PRECISION_BYTES
 
 __all__ = ["RULES", "RuleInfo", "lint", "lr_sweep_finding", "rules_markdown"]
 
@@ -174,7 +175,6 @@ def _bf16_accumulation(cfg: RaydeepConfig, shape: ModelShape, cluster: Cluster) 
 
 
 # --- ZeRO ----------------------------------------------------------------------------------------
-_ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 def _bucket_size(cfg: RaydeepConfig, shape: ModelShape, cluster: Cluster) -> list[Finding]:
@@ -184,7 +184,7 @@ def _bucket_size(cfg: RaydeepConfig, shape: ModelShape, cluster: Cluster) -> lis
     memory, zero = cluster.device_memory, cfg.zero_optimization
     if memory is None or zero.stage == 3:
         return []
-    element = _ELEMENT_BYTES[cfg.communication_data_type or cfg.precision]
+    element = PRECISION_BYTES[cfg.communication_data_type or cfg.precision]
     bucket = min(zero.reduce_bucket_size, shape.params) * element  # never more than the model's gradients
     count = 2 if zero.overlap_comm and zero.stage in (1, 2) else 1
     states = _model_states(cfg, shape, cluster)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from raydeep.config.model import RaydeepConfig
 from raydeep.doctor.shape import ModelShape
-from raydeep.estimate import GB, estimate_model_states
+from raydeep.estimate import GB, PRECISION_BYTES, estimate_model_states
 
 __all__ = ["FRAGMENTATION", "CHECKPOINTING", "MemoryPlan", "MemoryRow", "activation_bytes", "plan_memory"]
 
@@ -49,7 +49,6 @@ __all__ = ["FRAGMENTATION", "CHECKPOINTING", "MemoryPlan", "MemoryRow", "activat
 # runs is typically 5-15% of the peak (the field report's reason for empty_cache and sub_group_size).
 FRAGMENTATION = 0.10
 CHECKPOINTING = ("none", "attention", "block")
-_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _SAVED_PER_BLOCK = 17  # u per block, see the module docstring
 _ATTENTION_SAVED = 6  # of which the attention's own (QKV input 1 and output 3, attention output 1, projection input 1)
 _STEP_COPIES = 4  # fp32 copies of the partition the optimizer step holds at once
@@ -144,7 +143,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, precision: str, checkp
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
-    e = _BYTES[precision]
+    e = PRECISION_BYTES[precision]
     u = micro_batch * shape.seq * shape.hidden
     if checkpointing == "none":
         blocks = shape.layers * _SAVED_PER_BLOCK
@@ -193,7 +192,7 @@ def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None
     ``on_device`` False (a CPU run) drops the caching allocator's margin."""
     zero, n = cfg.zero_optimization, cfg.world_size
     stage, precision = zero.stage, cfg.precision
-    e, micro = _BYTES[precision], cfg.train_micro_batch_size_per_gpu
+    e, micro = PRECISION_BYTES[precision], cfg.train_micro_batch_size_per_gpu
     offload_opt = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none" and stage >= 1
     offload_param = zero.offload_param is not None and zero.offload_param.device != "none" and stage == 3
     persistent = persistent_params(cfg, shape) if stage == 3 else 0
@@ -251,7 +250,7 @@ def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None
 
 def _formula_text(stage: int, n: int, precision: str, offload: bool, persistent: int) -> str:
     """The ZeRO formula the model-state rows follow, in bytes per parameter (Psi parameters)."""
-    low = _BYTES[precision]
+    low = PRECISION_BYTES[precision]
     k = (4 if low == 2 else 0) + 8  # fp32 master (mixed precision only) + Adam momentum and variance
     p = f"{low} Psi" + (f"/{n}" if stage == 3 else "")
     g = "0" if offload and stage >= 2 else f"{low} Psi" + (f"/{n}" if stage >= 2 else "")
@@ -273,7 +272,7 @@ def _reduce_bucket(cfg: RaydeepConfig, shape: ModelShape, e: int) -> int:
     the unit gradient row); stages 0-1 reduce the gradient buffers in place at the boundary."""
     if cfg.zero_optimization.stage != 2:
         return 0
-    comm = _BYTES.get(cfg.communication_data_type or "", e)
+    comm = PRECISION_BYTES.get(cfg.communication_data_type or "", e)
     return comm * min(cfg.zero_optimization.reduce_bucket_size, shape.params)
 
 

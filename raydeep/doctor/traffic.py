@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from raydeep.config.model import RaydeepConfig
 from raydeep.doctor.memory import persistent_params
 from raydeep.doctor.shape import ModelShape
+from raydeep.estimate import PRECISION_BYTES
 
-_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ def kept_between_passes(cfg: RaydeepConfig, shape: ModelShape) -> int:
 def predict_traffic(cfg: RaydeepConfig, shape: ModelShape) -> Traffic:
     """Bytes per optimizer step on each rank (see the module docstring)."""
     zero, n, gas = cfg.zero_optimization, cfg.world_size, cfg.gradient_accumulation_steps
-    weights = _BYTES[cfg.precision]
-    grads = _BYTES[cfg.communication_data_type or cfg.precision]
+    weights = PRECISION_BYTES[cfg.precision]
+    grads = PRECISION_BYTES[cfg.communication_data_type or cfg.precision]
     psi = shape.params
     if n == 1:
         return Traffic({}, 0)

@@ -97,10 +97,10 @@ class Engine(nn.Module):
             inputs = tuple(t.half() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs)
         if inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
             self._seq = inputs[0].shape[1]  # (batch, seq, ...): what an out-of-memory diagnosis sizes
-        start, blocked = self.meter.now(), self.stats.total_blocked_s
+        began = self.meter.begin()
         with self._memory_diagnosis("forward"):
             out = self.module(*inputs, **kwargs)
-        self.meter.forward_done(start, self.stats.total_blocked_s - blocked)  # stage 3 waits for gathers
+        self.meter.forward_done(began)
         return out
 
     @contextlib.contextmanager
@@ -124,7 +124,7 @@ class Engine(nn.Module):
         """Divide by GAS, apply the loss scale, backpropagate, reduce gradients; returns loss / GAS."""
         assert loss.dim() == 0, "engine.backward expects a scalar loss"
         self.meter.add_loss(loss)  # before the division by GAS: step_loss is the loss the model gave
-        start, blocked = self.meter.now(), self.stats.total_blocked_s
+        began = self.meter.begin()
         if scale_wrt_gas and self.settings.grad_accum > 1:
             loss = loss / self.settings.grad_accum
         boundary = self.is_gradient_accumulation_boundary()
@@ -133,8 +133,7 @@ class Engine(nn.Module):
             self.strategy.begin_backward(boundary)
             scaled.backward(retain_graph=retain_graph)
             self.strategy.end_backward(boundary)
-        # Reductions run from the hooks: the time blocked on them is DeepSpeed's backward_allreduce.
-        self.meter.backward_done(start, self.stats.total_blocked_s - blocked)
+        self.meter.backward_done(began)
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:

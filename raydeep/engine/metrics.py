@@ -92,18 +92,27 @@ class StepMeter:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def forward_done(self, since: float, blocked_s: float = 0.0) -> None:
-        elapsed = self.now() - since
+    def begin(self) -> tuple[float, float]:
+        """The start of a forward or backward: the time, and the seconds blocked on collectives so far."""
+        return self.now(), self.stats.total_blocked_s
+
+    def forward_done(self, began: tuple[float, float]) -> None:
+        elapsed, blocked = self._since(began)
         self.micro.forward += elapsed
         self.total.forward += elapsed
-        self.total.forward_blocked += blocked_s
+        self.total.forward_blocked += blocked  # stage 3 waits for its gathers
 
-    def backward_done(self, since: float, blocked_s: float) -> None:
-        elapsed = self.now() - since
+    def backward_done(self, began: tuple[float, float]) -> None:
+        elapsed, blocked = self._since(began)
         self.micro.backward += elapsed
         self.total.backward += elapsed
-        self.micro.backward_blocked += blocked_s
-        self.total.backward_blocked += blocked_s
+        # Reductions run from the hooks: the time blocked on them is DeepSpeed's backward_allreduce.
+        self.micro.backward_blocked += blocked
+        self.total.backward_blocked += blocked
+
+    def _since(self, began: tuple[float, float]) -> tuple[float, float]:
+        start, blocked = began
+        return self.now() - start, self.stats.total_blocked_s - blocked
 
     def step_done(self, since: float) -> None:
         elapsed = self.now() - since

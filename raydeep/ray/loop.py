@@ -145,7 +145,7 @@ def _step_event(engine, loss: float, seconds: float, rates: dict, restarts: int)
     """What the session hears of a finished step (the driver's progress bar shows it)."""
     return {"step": engine.global_steps, "loss": loss, "samples": engine.global_samples, "seconds": seconds,
             "time": time.time(), "phase": engine.tier.phase, "tokens_s": rates["tokens_per_s"], "mfu": rates["mfu"],
-            "loss_scale": engine.cur_scale() if engine.fp16_enabled() else None, "restarts": restarts}
+            "loss_scale": engine.cur_scale if engine.fp16_enabled() else None, "restarts": restarts}
 
 
 def checkpoint_report(step: int, loss: float, step_s: float, rates: dict, samples: int, samples_sha256: str) -> dict:

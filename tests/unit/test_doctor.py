@@ -7,7 +7,7 @@ import pytest
 from raydeep.cli import main
 from raydeep.config import load_config
 from raydeep.doctor import Cluster, diagnose, format_report
-from raydeep.doctor.fit import _apply
+from raydeep.doctor.fit import apply_change
 from raydeep.doctor.memory import activation_bytes, persistent_params, plan_memory
 from raydeep.doctor.shape import ModelShape, parse_bytes
 
@@ -74,7 +74,7 @@ def test_each_fix_fits_when_applied():
     costs = [c.cost for c in report.fixes]
     assert costs == sorted(costs)
     for change in report.fixes:
-        after = diagnose(_apply(raw, change.settings), shape, cluster)
+        after = diagnose(apply_change(raw, change.settings), shape, cluster)
         assert after.memory.fits, change.title
         assert after.memory.device_total == change.plan.device_total
 

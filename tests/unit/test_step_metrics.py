@@ -243,3 +243,15 @@ def test_rows_from_a_real_engine(tmp_path, one_rank_group):
     first = table.to_pylist()[0]
     assert first["samples"] == 2 and first["model_state_bytes"][0] > 0 and first["forward_s"] > 0
     assert first["peak_memory_bytes"] == [None]  # a CPU rank
+
+
+def test_the_step_event_of_an_fp16_run_carries_the_loss_scale():
+    import raydeep
+    from raydeep.models import build_gpt
+    from raydeep.ray.loop import _step_event
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True, "initial_scale_power": 8},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = raydeep.initialize(model=build_gpt("gpt-tiny", n_layer=1), config=cfg)
+    event = _step_event(engine, 3.0, 0.5, {"tokens_per_s": 10.0, "mfu": None}, restarts=1)
+    assert event["loss_scale"] == 256.0 and event["restarts"] == 1
