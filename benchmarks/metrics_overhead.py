@@ -102,6 +102,9 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
     if rank == 0:
         with open(os.path.join(out_dir, "times.json"), "w") as f:
             json.dump({"intervals": intervals, "in_metrics_s": in_metrics}, f)
+    # Both ranks leave together: a gloo group torn down while its peer still sends aborts the
+    # process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
