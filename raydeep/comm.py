@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from raydeep.comms_logging import CommsLogger, deepspeed_name
+from raydeep.console_lines import CONSOLE
 
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -152,7 +153,7 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict
     if _comms_logger is None:
         return None
     if rank() == 0:
-        logging.getLogger("raydeep").info("%s", _comms_logger.table())
+        logging.getLogger("raydeep").info("%s", _comms_logger.table(), extra=CONSOLE)
     if return_dict:
         return {"summary": _comms_logger.summary(), "straggler_analysis": None,
                 "metadata": {"world_size": world_size(), "rank": rank()}}

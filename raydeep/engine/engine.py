@@ -23,6 +23,7 @@ from torch import nn
 
 from raydeep import comm
 from raydeep.checkpoint import Checkpointer
+from raydeep.console_lines import CONSOLE
 from raydeep.optim.clip import clip_coefficient
 from raydeep.doctor.oom import diagnose_oom, is_out_of_memory
 from raydeep.engine.metrics import GLOBAL_TIMERS, StepMeter, timer_line
@@ -151,7 +152,7 @@ class Engine(nn.Module):
         if self.settings.wall_clock_breakdown:  # DeepSpeed logs the micro timers every micro-step
             line = self.meter.micro_line()
             if self.rank == 0:
-                logger.info("%s", line)
+                logger.info("%s", line, extra=CONSOLE)
         if boundary:
             self._record_step()
         self.micro_steps += 1
@@ -168,7 +169,7 @@ class Engine(nn.Module):
             scale = self.loss_scaler.loss_scale if self.fp16_enabled() else None
             self.monitors.write_events(step_events(self.step_metrics, loss, scale, timer_ms))
         if timer_ms is not None and self.rank == 0:
-            logger.info("%s", timer_line(GLOBAL_TIMERS, self.meter.step_times))
+            logger.info("%s", timer_line(GLOBAL_TIMERS, self.meter.step_times), extra=CONSOLE)
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         self.checkpointer.fence()  # an asynchronous save copies the states before they change
@@ -251,7 +252,7 @@ class Engine(nn.Module):
         every = self.settings.steps_per_print
         if every and self.global_steps % every == 0 and self.rank == 0:
             logger.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
-                        self.get_lr(), self.get_mom())
+                        self.get_lr(), self.get_mom(), extra=CONSOLE)
             if self.settings.comms_logger:
                 comm.log_summary()  # DeepSpeed's comms table, since the engine was built
 
@@ -280,9 +281,22 @@ class Engine(nn.Module):
         Returns ``(load_path, client_state)``, or ``(None, None)`` when there is no ``latest``."""
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported by raydeep")
+        with self._loading():
+            return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only)
+
+    def load_first_intact(self, load_dir, tags: list[str], skipped: list[tuple[str, str]] = ()):
+        """Load the first of ``tags`` that is intact (see ``Checkpointer.load_first_intact``)."""
+        with self._loading():
+            return self.checkpointer.load_first_intact(load_dir, tags, skipped)
+
+    @contextlib.contextmanager
+    def _loading(self):
         self.meter.forget_state_bytes()
-        return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only)
+        try:
+            yield
+        finally:
+            self.meter.skip_comm()  # the load's collectives belong to no step's bytes
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous save is committed (the next save and ``destroy()`` also wait)."""

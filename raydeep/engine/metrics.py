@@ -162,6 +162,10 @@ class StepMeter:
         self.total.clear()
         return metrics
 
+    def skip_comm(self) -> None:
+        """Count the collectives issued so far in no step (a checkpoint load's, between steps)."""
+        self._comm_before = (self.stats.resets, self._comm_now())
+
     def _comm_now(self) -> dict[str, tuple]:
         return {op: (s.calls, s.bytes, s.blocked_s) for op, s in self.stats.ops.items()}
 

@@ -14,6 +14,8 @@ import ray
 # Hang records kept for the driver: the first ones say where a run got stuck; a timeout set too
 # low could report every step of every rank, and the dump files on storage keep them all anyway.
 MAX_HANGS = 100
+# DeepSpeed console lines kept for the driver, which reads them as they come; the oldest go first.
+MAX_CONSOLE_LINES = 10_000
 
 
 @ray.remote(num_cpus=0)
@@ -23,6 +25,8 @@ class RunMonitor:
         self._workers: dict[str, dict[int, dict]] = {}
         self._latest: dict | None = None
         self._hangs: list[dict] = []
+        self._console: list[str] = []
+        self._console_dropped = 0  # lines before self._console[0]
 
     def attempt_started(self, token: str, record: dict) -> None:
         self._attempts.append({**record, "token": token, "index": len(self._attempts), "first_step_at": None,
@@ -32,6 +36,12 @@ class RunMonitor:
         self._workers.setdefault(token, {})[rank] = info
 
     def step_done(self, token: str, event: dict) -> None:
+        event = dict(event)
+        self._console.extend(event.pop("console", ()))
+        excess = len(self._console) - MAX_CONSOLE_LINES
+        if excess > 0:
+            del self._console[:excess]
+            self._console_dropped += excess
         attempt = next((a for a in self._attempts if a["token"] == token), None)
         if attempt is not None:
             if attempt["first_step_at"] is None:
@@ -44,9 +54,13 @@ class RunMonitor:
         if len(self._hangs) < MAX_HANGS:
             self._hangs.append({**record, "token": token})
 
-    def snapshot(self) -> dict:
+    def snapshot(self, console_from: int = 0) -> dict:
+        """The run so far, and the console lines numbered ``console_from`` on (``console_next``
+        is where the next snapshot's should start)."""
         attempts = [{**a, "workers": dict(sorted(self._workers.get(a["token"], {}).items()))} for a in self._attempts]
-        return {"attempts": attempts, "latest": self._latest, "hangs": list(self._hangs)}
+        start = max(console_from - self._console_dropped, 0)
+        return {"attempts": attempts, "latest": self._latest, "hangs": list(self._hangs),
+                "console": self._console[start:], "console_next": self._console_dropped + len(self._console)}
 
 
 def start_monitor():

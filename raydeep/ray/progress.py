@@ -22,12 +22,12 @@ class MonitorPoller(threading.Thread):
     def __init__(self, monitor, callbacks, interval_s: float = 0.25):
         super().__init__(name="raydeep-monitor-poller", daemon=True)
         self.monitor, self.callbacks, self.interval_s = monitor, [c for c in callbacks if c], interval_s
-        self.last: dict = {"attempts": [], "latest": None, "hangs": []}
+        self.last: dict = {"attempts": [], "latest": None, "hangs": [], "console": [], "console_next": 0}
         self._stop_event = threading.Event()
 
     def poll(self) -> dict:
         try:
-            self.last = ray.get(self.monitor.snapshot.remote(), timeout=10)
+            self.last = ray.get(self.monitor.snapshot.remote(self.last["console_next"]), timeout=10)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
             return self.last  # a busy or lost monitor costs only the display
         for callback in list(self.callbacks):
@@ -49,9 +49,11 @@ class MonitorPoller(threading.Thread):
 
 
 class ProgressBar:
-    """A rich progress bar of the global step, with what the latest step said (:func:`step_status`)."""
+    """A rich progress bar of the global step, with what the latest step said (:func:`step_status`),
+    and above it DeepSpeed's console lines from rank 0 (``print_console``: off where the workers'
+    logs reach the console anyway)."""
 
-    def __init__(self, total_steps: int, console=None):
+    def __init__(self, total_steps: int, console=None, print_console: bool = True):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -61,6 +63,7 @@ class ProgressBar:
         self.progress = Progress(*columns, console=self.console)
         self.task = self.progress.add_task("train", total=total_steps, status="")
         self._attempts_shown = 0
+        self.print_console = print_console
 
     def __enter__(self):
         self.progress.__enter__()
@@ -82,6 +85,9 @@ class ProgressBar:
                 self.console.print(f"  resumed from the newest intact checkpoint instead, at step "
                                    f"{attempt['resumed_from_step']}")
         self._attempts_shown = len(attempts)
+        if self.print_console:
+            for line in snapshot.get("console", ()):
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
         latest = snapshot["latest"]
         if latest:
             world = attempts[latest["attempt"]]["world_size"] if latest.get("attempt") is not None else None

@@ -21,7 +21,7 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
     console.print(f"raydeep train: {spec.model} on {spec.data} data, {workers} {'GPU' if spec.use_gpu else 'CPU'} "
                   f"workers, to step {spec.steps}, run {spec.run_uri}")
     try:
-        with ProgressBar(spec.steps, console) as bar:
+        with ProgressBar(spec.steps, console, print_console=not verbose) as bar:
             summary = fit(spec, on_progress=bar, address=address, log_to_driver=verbose, plan=plan)
     except Exception as exc:  # noqa: BLE001 - Ray Train's failure types vary; show the message, not a trace
         from raydeep.errors import RaydeepError

@@ -12,7 +12,8 @@ attempt. The session adds raydeep's part:
 - the restore reads the newest committed checkpoint (Ray Train's, or a newer one raydeep's
   ``latest`` names), resharding when the world size changed; a damaged one (a file failing its
   sha256) is passed over for the newest intact one, with a warning the driver shows;
-- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor` and, from rank 0, to
+- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor` (with the DeepSpeed
+  console lines rank 0 logged in the step, :mod:`raydeep.console_lines`) and, from rank 0, to
   Prometheus gauges (:mod:`raydeep.ray.gauges`); each checkpoint's report carries the step's
   loss, tokens/s, MFU, samples/s and step time, which Ray Train's result and Tune's trials show;
 - every rank runs a step watchdog (:mod:`raydeep.ray.watchdog`, ``raydeep.watchdog``): a step
@@ -36,6 +37,7 @@ from raydeep.checkpoint import Storage, committed_tags
 from raydeep.checkpoint.format import LATEST
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.config.sections import RaydeepSection
+from raydeep.console_lines import ConsoleLines
 from raydeep.errors import CheckpointError
 from raydeep.ray.gauges import StepGauges
 from raydeep.ray.loop import run_training
@@ -108,6 +110,8 @@ class RaySession:
                 "pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
                 "local_rank": context.get_local_rank(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
         self.gauges = StepGauges(spec.name) if self.rank == 0 else None
+        # DeepSpeed's console lines (timers, comms table), which the driver prints above its bar.
+        self.console_lines = ConsoleLines.attach() if self.rank == 0 and monitor is not None else None
         self.hang_reporter, self.watchdog = None, None
         options = RaydeepSection.model_validate((ds_config or {}).get("raydeep") or {})
         if options.watchdog:
@@ -125,7 +129,7 @@ class RaySession:
         if not tags and not damaged:
             return None
         # The checkpointer logs each damaged tag; the driver shows them from the attempt record.
-        _, client_state, self.skipped = engine.checkpointer.load_first_intact(self.checkpoint_uri, tags, damaged)
+        _, client_state, self.skipped = engine.load_first_intact(self.checkpoint_uri, tags, damaged)
         return client_state
 
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
@@ -159,12 +163,14 @@ class RaySession:
         if self.rank != 0:
             return
         if self.monitor is not None:
-            self.monitor.step_done.remote(self.token, event)
+            self.monitor.step_done.remote(self.token, {**event, "console": self.console_lines.take()})
         self.gauges.set(event)
 
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.console_lines is not None:
+            self.console_lines.detach()
 
 
 def unused_diagnostics_attempt(run_uri: str) -> int:

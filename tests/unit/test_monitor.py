@@ -213,3 +213,23 @@ def test_step_metrics_without_monitors_or_timers():
     assert set(engine.step_metrics) == STEP_METRICS_KEYS
     assert engine.step_metrics["comm"] == {} and engine.step_metrics["comm_wait_s"] == 0.0
     assert torch.is_tensor(engine.step_loss) and engine.step_loss.item() == pytest.approx(losses[-1], rel=1e-6)
+
+
+def test_a_checkpoint_load_adds_nothing_to_the_next_steps_bytes(tmp_path, one_rank):
+    """The collectives of a load (a resumed attempt's restore) are between steps: the first step
+    after it moves what every other step moves."""
+    cfg = {key: value for key, value in _config(tmp_path).items() if key not in ("tensorboard", "csv_monitor")}
+    engine, *_ = _train(cfg)
+    before = engine.step_metrics["comm"]
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    calls = engine.comm_stats()
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    assert engine.comm_stats() != calls, "the load issued no collective: this test shows nothing"
+    g = torch.Generator().manual_seed(2)
+    for _ in range(GAS):
+        batch = torch.randint(0, 256, (MICRO, SEQ + 1), generator=g)
+        engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+        engine.step()
+    after = engine.step_metrics["comm"]
+    engine.destroy()
+    assert {op: e["bytes"] for op, e in after.items()} == {op: e["bytes"] for op, e in before.items()}

@@ -34,3 +34,13 @@ def test_the_bar_prints_the_attempts_and_the_latest_step():
     assert "worker group started: 2 workers" in text and "worker group restarted: 1 workers" in text
     bar_line = next(line for line in text.splitlines() if line.startswith("step"))
     assert "6/16" in bar_line and "loss 4.812  5,120 tok/s  workers 1  restarts 1" in bar_line
+
+
+def test_the_bar_prints_deepspeeds_console_lines_above_it_unless_told_not_to():
+    lines = ["time (ms) | fwd: 41.20 | bwd: 96.10 | bwd_inner: 80.00 | bwd_allreduce: 16.10 | step: 12.00",
+             "Comm. Op            Message Size        Count"]
+    for print_console in (True, False):
+        out = io.StringIO()
+        with ProgressBar(16, Console(file=out, width=200, force_terminal=False), print_console=print_console) as bar:
+            bar({"attempts": ATTEMPTS, "latest": event(), "hangs": [], "console": lines, "console_next": 2})
+        assert all((line in out.getvalue()) == print_console for line in lines), out.getvalue()
