@@ -22,8 +22,5 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/raydeep demo
 
-# Two pytest workers (pytest-xdist): much of the suite waits on process start-up and Ray, not the
-# CPU. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
 test: venv
-	$(VENV)/bin/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+	$(VENV)/bin/python -m pytest -q

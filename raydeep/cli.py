@@ -17,6 +17,7 @@ import logging
 import sys
 import traceback
 
+from raydeep.bench import add_parser as add_bench_parser
 from raydeep.checkpoint.convert import add_convert_parser
 from raydeep.errors import RaydeepError
 
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     _add_data_parser(sub)
     _add_report_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

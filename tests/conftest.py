@@ -58,12 +58,3 @@ def pytest_make_collect_report(collector):
         report.longrepr = _peer_failure(_skip_reason(report))
     return report
 
-
-def pytest_collection_modifyitems(items):
-    """Groups for ``pytest -n N --dist loadgroup`` (``make test``): each module runs whole on one
-    worker (its module-scoped fixtures are built once), and every module under ``tests/ray`` on
-    the same worker, one after another: they start Ray clusters, and a ``ray start`` cluster left
-    running by one (test_job_submit) is the one a plain ``ray.init()`` in another would join."""
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if module.startswith("tests/ray/") else module))

@@ -1,0 +1,51 @@
+"""``raydeep bench``: raydeep's ZeRO stages against DDP, torch's ZeRO-1, FSDP2 and DeepSpeed on the
+built-in GPT, interleaved in one invocation (see :mod:`raydeep.bench.run`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="step time of raydeep's stages against DDP, ZeRO-1, FSDP2 and DeepSpeed",
+                           description=__doc__.split("\n")[0].strip("`") + " Writes JSON, a markdown table and "
+                           "a PNG chart.")
+    bench.add_argument("--model", default="gpt-tiny", help="a size from raydeep.models.GPT_SIZES")
+    bench.add_argument("--n-layer", type=int, default=0, help="override the size's layer count (0: keep it)")
+    bench.add_argument("--world", type=int, default=2, help="gloo ranks on this machine")
+    bench.add_argument("--steps", type=int, default=6, help="interleaved rounds measured (one step of each)")
+    bench.add_argument("--warmup", type=int, default=2, help="rounds dropped before measuring")
+    bench.add_argument("--seq", type=int, default=128)
+    bench.add_argument("--micro-batch", type=int, default=4, help="per rank")
+    bench.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
+    bench.add_argument("--bucket", type=int, default=500_000, help="reduce/all-gather bucket in elements (and DDP's)")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    bench.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                       help="raydeep's overlap_comm at stages 1-3 (both: a row each, and the blocked time hidden)")
+    bench.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="leave DeepSpeed out")
+    bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md and bench.png")
+    bench.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the ranks")
+    bench.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from raydeep.bench.render import chart, markdown
+    from raydeep.bench.run import run
+    from raydeep.errors import InputError
+
+    if args.steps < 1 or args.warmup < 0 or args.world < 1:
+        raise InputError("--steps/--warmup/--world", "must be >= 1, >= 0 and >= 1",
+                         value=(args.steps, args.warmup, args.world), fix="pass positive counts")
+    args.overlap = {"on": (True,), "off": (False,), "both": (False, True)}[args.overlap]
+    summary = run(args)
+    table = markdown(summary)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(table + "\n")
+    chart(summary, os.path.join(args.out, "bench.png"))
+    print(f"wrote {args.out}/bench.json, bench.md and bench.png")
+    return 0
