@@ -100,7 +100,7 @@ def model_size_rank(opts) -> dict:
 
 
 def layout_rank(opts) -> dict:
-    """One optimizer step at every stage: this rank's model-state bytes and bytes per step."""
+    """Two optimizer steps at every stage: this rank's model-state bytes and the bytes of the second step."""
     import raydeep
 
     out = {}
@@ -109,8 +109,10 @@ def layout_rank(opts) -> dict:
                                         config=_config(stage, opts.micro, opts.gas, opts.bucket))
         world = torch.distributed.get_world_size()
         rank = torch.distributed.get_rank()
+        first, second = _data(world, rank, 2, opts.micro, opts.gas, opts.seq)
+        _train_step(engine, first)  # the first step also gathers what stage 3 then keeps
         _, before = _engine_numbers(engine)
-        _train_step(engine, _data(world, rank, 1, opts.micro, opts.gas, opts.seq)[0])
+        _train_step(engine, second)
         states, after = _engine_numbers(engine)
         out[stage] = {"states": states, "bytes_per_step": after - before}
         engine.destroy()
