@@ -15,18 +15,21 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 import traceback
 
 import torch
 
+from raydeep.bench.engines import model_state_bytes
+from raydeep.bench.ranks import on_gloo_ranks
+from raydeep.bench.run import batches
+
 STAGES = (0, 1, 2, 3)
+VOCAB = 256  # token ids drawn below every built-in size's vocabulary
 
 
 def _config(stage: int, micro: int, gas: int, bucket: int) -> dict:
@@ -42,20 +45,9 @@ def _model(name: str, n_layer: int, seq: int):
     return build_gpt(name, block_size=seq, **({"n_layer": n_layer} if n_layer else {}))
 
 
-def _data(world: int, rank: int, steps: int, micro: int, gas: int, seq: int) -> list[list[tuple]]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        data = torch.randint(0, 256, (micro * gas * world, seq + 1), generator=g)
-        out.append([(x[:, :-1], x[:, 1:]) for x in (data[(k * world + rank) * micro:][:micro] for k in range(gas))])
-    return out
-
-
 def _engine_numbers(engine) -> tuple[int, int]:
     """(model-state bytes this rank holds, bytes it moved so far)."""
-    memory = engine.memory_breakdown()
-    states = sum(memory[k] for k in ("params", "grads", "master", "optimizer_states"))
-    return states, sum(op["bytes"] for op in engine.comm_stats().values())
+    return model_state_bytes(engine), sum(op["bytes"] for op in engine.comm_stats().values())
 
 
 def _train_step(engine, micro_batches) -> None:
@@ -78,7 +70,7 @@ def model_size_rank(opts) -> dict:
                                                                                        opts.bucket))[0]
                    for s in STAGES]
         times = [[] for _ in STAGES]
-        data = _data(world, rank, opts.warmup + opts.steps, opts.micro, opts.gas, opts.seq)
+        data = batches(opts.micro, opts.gas, opts.seq, rank, world, opts.warmup + opts.steps, VOCAB)
         moved_before = [0] * len(STAGES)
         for step, micro in enumerate(data):
             if step == opts.warmup:
@@ -109,7 +101,7 @@ def layout_rank(opts) -> dict:
                                         config=_config(stage, opts.micro, opts.gas, opts.bucket))
         world = torch.distributed.get_world_size()
         rank = torch.distributed.get_rank()
-        first, second = _data(world, rank, 2, opts.micro, opts.gas, opts.seq)
+        first, second = batches(opts.micro, opts.gas, opts.seq, rank, world, 2, VOCAB)
         _train_step(engine, first)  # the first step also gathers what stage 3 then keeps
         _, before = _engine_numbers(engine)
         _train_step(engine, second)
@@ -149,56 +141,10 @@ def _fake_main(opts, queue) -> None:
         queue.put((traceback.format_exc(), None))
 
 
-# --- gloo ranks -----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, what: str, opts, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    try:
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = model_size_rank(opts) if what == "model_size" else layout_rank(opts)
-        dist.barrier()
-        dist.destroy_process_group()
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        queue.put((rank, None, buffer.getvalue()))
-    except BaseException:
-        queue.put((rank, traceback.format_exc(), None))
-
-
-def on_ranks(world: int, what: str, opts) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, what, opts, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, error, payload = queue.get(timeout=opts.timeout)
-            if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            results[rank] = torch.load(io.BytesIO(payload))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
-
-
 # --- the whole ------------------------------------------------------------------------------------
 def run(opts) -> dict:
     load = os.getloadavg()[0]
-    ranks = on_ranks(opts.world, "model_size", opts) if opts.layers else []
+    ranks = on_gloo_ranks(opts.world, model_size_rank, (opts,), timeout=opts.timeout) if opts.layers else []
     model_size = []
     for n_layer in opts.layers:
         for stage in STAGES:
@@ -208,7 +154,7 @@ def run(opts) -> dict:
                                "median_s": statistics.median(steps), "bytes_per_step": entry["bytes_per_step"],
                                "states_per_rank": max(r[n_layer]["stages"][stage]["states"] for r in ranks)})
     fake = fake_layouts(opts)
-    real = {world: on_ranks(world, "layout", opts)[0] for world in opts.real_worlds}
+    real = {world: on_gloo_ranks(world, layout_rank, (opts,), timeout=opts.timeout)[0] for world in opts.real_worlds}
     checks = []
     for world, stages in real.items():
         for stage, numbers in stages.items():

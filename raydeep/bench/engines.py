@@ -72,10 +72,14 @@ def _optimizer_state_bytes(state: dict) -> int:
     return _nbytes(v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def raydeep_contender(model, cfg: dict, stage: int, overlap: bool | None) -> Contender:
-    import raydeep
+def model_state_bytes(engine) -> int:
+    """What a raydeep engine holds of the ZeRO formula's model states (no buffers, no activations)."""
+    memory = engine.memory_breakdown()
+    return sum(memory[k] for k in ("params", "grads", "master", "optimizer_states"))
 
-    engine, *_ = raydeep.initialize(model=model, config=cfg)
+
+def _engine_step(engine) -> Callable[[list], float]:
+    """DeepSpeed's loop (raydeep's is the same): backward and step after every micro-batch."""
 
     def step(micro_batches) -> float:
         total = 0.0
@@ -85,13 +89,15 @@ def raydeep_contender(model, cfg: dict, stage: int, overlap: bool | None) -> Con
             engine.step()
             total += loss.item()
         return total / len(micro_batches)
+    return step
 
-    def state_bytes() -> int:
-        memory = engine.memory_breakdown()
-        return sum(memory[k] for k in ("params", "grads", "master", "optimizer_states"))
 
+def raydeep_contender(model, cfg: dict, stage: int, overlap: bool | None) -> Contender:
+    import raydeep
+
+    engine, *_ = raydeep.initialize(model=model, config=cfg)
     suffix = "" if overlap is None else (" overlap" if overlap else "")
-    return Contender(f"raydeep z{stage}{suffix}", "raydeep", stage, step, state_bytes,
+    return Contender(f"raydeep z{stage}{suffix}", "raydeep", stage, _engine_step(engine), lambda: model_state_bytes(engine),
                      lambda: sum(op["bytes"] for op in engine.comm_stats().values()),
                      lambda: sum(op["blocked_s"] for op in engine.comm_stats().values()), engine)
 
@@ -100,16 +106,7 @@ def deepspeed_contender(model, cfg: dict, stage: int) -> Contender:
     deepspeed = import_deepspeed()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
-    def step(micro_batches) -> float:
-        total = 0.0
-        for x, y in micro_batches:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        return total / len(micro_batches)
-
-    return Contender(f"DeepSpeed z{stage}", "deepspeed", stage, step, engine=engine)
+    return Contender(f"DeepSpeed z{stage}", "deepspeed", stage, _engine_step(engine), engine=engine)
 
 
 def import_deepspeed():

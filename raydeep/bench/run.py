@@ -13,18 +13,15 @@ bytes per step against the doctor's prediction (:func:`raydeep.doctor.traffic.pr
 """
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
-import traceback
 from importlib.util import find_spec
 
 import torch
 
 from raydeep.bench import engines
+from raydeep.bench.ranks import on_gloo_ranks
 
 PEER_OF_STAGE = {0: "DDP", 1: "torch ZeRO-1", 2: "FSDP2 grad-op", 3: "FSDP2"}
 
@@ -58,16 +55,17 @@ def build(opts, family: str, stage: int, overlap) -> engines.Contender:
     return engines.fsdp2_contender(model, world, reshard_after_forward=stage == 3)
 
 
-def batches(opts, rank: int, world: int, steps: int, vocab: int) -> list[list[tuple]]:
+def batches(micro_batch: int, gas: int, seq: int, rank: int, world: int, steps: int,
+            vocab: int) -> list[list[tuple]]:
     """Each step's micro-batches for this rank, sliced from one global batch per step."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        data = torch.randint(0, vocab, (opts.micro_batch * opts.gas * world, opts.seq + 1), generator=g)
+        data = torch.randint(0, vocab, (micro_batch * gas * world, seq + 1), generator=g)
         micro = []
-        for k in range(opts.gas):
-            lo = (k * world + rank) * opts.micro_batch
-            x = data[lo:lo + opts.micro_batch]
+        for k in range(gas):
+            lo = (k * world + rank) * micro_batch
+            x = data[lo:lo + micro_batch]
             micro.append((x[:, :-1], x[:, 1:]))
         out.append(micro)
     return out
@@ -80,7 +78,7 @@ def measure(opts) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     contenders = [build(opts, *run) for run in plan(opts)]
     vocab = build_model(opts).config.vocab_size
-    data = batches(opts, rank, world, opts.warmup + opts.steps, vocab)
+    data = batches(opts.micro_batch, opts.gas, opts.seq, rank, world, opts.warmup + opts.steps, vocab)
     times, losses = [[] for _ in contenders], [[] for _ in contenders]
     comm_before = blocked_before = [None] * len(contenders)
     for step, micro in enumerate(data):
@@ -169,55 +167,14 @@ def _slowest(values) -> float | None:
     return None if None in values else max(values)
 
 
-# --- ranks --------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, opts, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        import torch.distributed as dist
-
-        torch.set_num_threads(opts.threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = measure(opts)
-        dist.barrier()  # leave together: a gloo group torn down while its peer still sends aborts
-        dist.destroy_process_group()
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        queue.put((rank, None, buffer.getvalue()))
-    except BaseException:  # report instead of leaving the parent waiting
-        queue.put((rank, traceback.format_exc(), None))
-
-
 def run(opts) -> dict:
     """Spawn the ranks, collect their measurements, summarize them."""
     if opts.deepspeed and find_spec("deepspeed") is None:
         opts.deepspeed = False  # the report says so
     load_at_start = os.getloadavg()[0]  # other work on the machine skews every number: report it
     started = time.time()
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, opts.world, port, opts, queue)) for r in range(opts.world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in procs:
-            rank, error, payload = queue.get(timeout=opts.timeout)
-            if error:
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
-            results[rank] = torch.load(io.BytesIO(payload))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    summary = summarize(opts, [results[r] for r in range(opts.world)], theory(opts, opts.world))
+    per_rank = on_gloo_ranks(opts.world, measure, (opts,), threads=opts.threads, timeout=opts.timeout)
+    summary = summarize(opts, per_rank, theory(opts, opts.world))
     summary["machine"] = {"cpus": os.cpu_count(), "load_average_start": load_at_start,
                           "load_average_end": os.getloadavg()[0], "seconds": time.time() - started,
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
