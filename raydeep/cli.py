@@ -17,6 +17,7 @@ import logging
 import sys
 import traceback
 
+from raydeep.autotune import add_parser as add_autotune_parser
 from raydeep.bench import add_parser as add_bench_parser
 from raydeep.checkpoint.convert import add_convert_parser
 from raydeep.errors import RaydeepError
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_parser(sub)
     _add_report_parser(sub)
     add_bench_parser(sub)
+    add_autotune_parser(sub)
     return parser
 
 

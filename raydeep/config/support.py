@@ -76,8 +76,8 @@ _MONITOR = ("the {name} monitor is not supported (no network access from raydeep
             "only to the run's storage); use tensorboard or csv_monitor")
 MONITOR = "raydeep/monitor/__init__.py"
 _TENSORBOARD_FIX = "pip install 'raydeep[monitor]' (or pip install tensorboard)"
-_AUTOTUNE = ("raydeep does not run DeepSpeed's autotuner; sweep settings with Ray Tune through "
-             "raydeep.ray.tune.make_driver")
+_AUTOTUNE = ("the autotuning section is not read: `raydeep autotune CONFIG --model M --num-workers N` runs "
+             "DeepSpeed's search (stage, micro batch, buckets, checkpointing, offload) as Ray Tune trials")
 _FLOPS = "the FLOPs profiler is not implemented in raydeep"
 _FLOPS_FIX = "remove the flops_profiler section; `raydeep train` reports MFU from the model's FLOPs per token"
 COMMS = ("raydeep/comm.py", "raydeep/comms_logging.py")

@@ -222,7 +222,7 @@ def test_python_names_in_messages_exist():
 
 
 def test_no_message_promises_what_raydeep_lacks():
-    """There is no `raydeep tune` command; MFU is `raydeep train`'s (from the model's FLOPs per
+    """There is no `raydeep tune` command (`raydeep autotune` is the autotuner); MFU is `raydeep train`'s (from the model's FLOPs per
     token), never the engine's; the monitors raydeep writes are tensorboard and csv_monitor."""
     rules = (REPO / "raydeep/config/rules.py").read_text()
     for text in _texts() + [rules]:
@@ -231,7 +231,10 @@ def test_no_message_promises_what_raydeep_lacks():
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "autotuning": {"enabled": True},
                        "wandb": {"enabled": True}, "tensorboard": {"enabled": True}})
     by_key = {w.split(" = ")[0]: w for w in cfg.warnings}
-    assert "raydeep.ray.tune.make_driver" in by_key["autotuning.enabled"]
+    assert "`raydeep autotune CONFIG" in by_key["autotuning.enabled"]
+    from raydeep.cli import build_parser
+
+    assert build_parser().parse_args(["autotune", "ds.json"]).func.__module__ == "raydeep.autotune"
     assert "use tensorboard or csv_monitor" in by_key["wandb.enabled"]
     assert "tensorboard.enabled" not in by_key
     with pytest.raises(ConfigError, match="the FLOPs profiler is not implemented in raydeep") as info:
