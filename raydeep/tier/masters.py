@@ -123,14 +123,16 @@ class MasterShards:
 
     # --- the update -------------------------------------------------------------------------------
     def step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float) -> list[nn.Parameter]:
-        """Update sub-group ``k`` from its chunks' gradients (any dtype and device; not modified),
-        each multiplied by ``scale``; returns the chunks' updated masters."""
+        """Update sub-group ``k`` from its chunks' gradients (any dtype and device), each
+        multiplied by ``scale``; returns the chunks' updated masters. A gradient already fp32 and
+        on its master's device is scaled in place and read where it is (its owner discards it
+        after the step: the engine zeroes its gradients); any other is copied first."""
         params = self.params[self._first_chunk[k]:self._first_chunk[k] + len(self.sub_groups[k])]
+        held: dict[str, int] = {}
         for param, grad in zip(params, grads):
             param.grad = self._fp32_grad(param, grad, scale)
-        held: dict[str, int] = {}
-        for param in params:
-            held[str(param.device)] = held.get(str(param.device), 0) + param.grad.numel() * 4
+            if param.grad.data_ptr() != grad.data_ptr():  # a copy: a step buffer
+                held[str(param.device)] = held.get(str(param.device), 0) + param.grad.numel() * 4
         for place, nbytes in held.items():
             self.peak_grad_bytes[place] = max(self.peak_grad_bytes.get(place, 0), nbytes)
         self.optimizer.step()
@@ -139,13 +141,16 @@ class MasterShards:
         return params
 
     def _fp32_grad(self, param: nn.Parameter, grad: torch.Tensor, scale: float) -> torch.Tensor:
-        """``grad`` x ``scale`` in fp32 on the master's device, in a copy the optimizer may read.
+        """``grad`` x ``scale`` in fp32 on the master's device: ``grad`` itself when it is that
+        already (scaled in place), otherwise a copy.
 
-        On the CPU it goes into one reused buffer of the largest sub-group: a fresh allocation of
+        On the CPU a copy goes into one reused buffer of the largest sub-group: a fresh allocation of
         that size would be new pages from the OS every step, whose faults cost more than the
         update itself. Widening copy, then an fp32 multiply in place: torch's mixed-dtype multiply
         (16-bit tensor times fp32) gives the same bits but runs several times slower.
         """
+        if grad.dtype == torch.float32 and grad.device == param.device and grad.is_contiguous():
+            return grad if scale == 1.0 else grad.mul_(scale)
         if param.device.type != "cpu":
             return grad.to(param.device, torch.float32, copy=True).mul_(scale)
         size = max(sum(c.numel for c in sg) for sg in self.sub_groups)

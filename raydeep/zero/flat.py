@@ -78,12 +78,18 @@ class FlatUnit:
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
 
     # --- gradients ------------------------------------------------------------------------------
-    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        """This unit's full gradients as one padded flat tensor (zeros where a param got none)."""
-        out = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.full.device)
+    def flat_grads(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This unit's full gradients as one padded flat tensor (zeros where a param got none and
+        in the padding), written into ``out`` (``padded_numel`` elements of ``dtype``) when given."""
+        if out is None:
+            out = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.full.device)
         for slot, p in zip(self.layout.slots, self.params):
-            if p.grad is not None:
-                out[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+            piece = out[slot.offset:slot.offset + slot.numel]
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
+        out[self.layout.numel:].zero_()  # the slots are contiguous from 0: the rest is padding
         return out
 
     def drop_param_grads(self) -> None:

@@ -226,9 +226,20 @@ class Stage1(ZeroStrategy):
 
 class Stage2(ZeroStrategy):
     """Optimizer states and gradients partitioned: each bucket is reduce-scattered from the
-    backward hooks on every micro-step and accumulated into the owned gradient shard."""
+    backward hooks on every micro-step and accumulated into the owned gradient shard.
+
+    A bucket's gradients are flattened into one of at most :attr:`BUFFERS` reused buffers
+    (DeepSpeed's two ``ipg`` buckets with ``overlap_comm``): a new buffer every micro-step would be
+    fresh pages to fault in on a CPU and allocator churn on a GPU. When both are in flight, the
+    older reduction is finished first."""
 
     stage = 2
+    BUFFERS = 2
+
+    def __init__(self, units, reduce, stats):
+        super().__init__(units, reduce, stats)
+        self._spare: list[torch.Tensor] = []
+        self._buffers = 0
 
     def _reduce_this_micro_step(self, boundary: bool) -> bool:
         return True
@@ -236,13 +247,29 @@ class Stage2(ZeroStrategy):
     def _reduce_from_hooks(self) -> bool:
         return True
 
+    def _take_buffer(self, unit: FlatUnit) -> torch.Tensor:
+        if not self._spare and self._buffers == self.BUFFERS:
+            pending, finish = self._pending.pop(0)  # the oldest reduction in flight gives its buffer back
+            pending.wait()
+            finish()
+        if self._spare:
+            return self._spare.pop()
+        self._buffers += 1
+        largest = max(u.layout.padded_numel for u in self.units)
+        return torch.empty(largest, dtype=self.reduce.comm_dtype, device=unit.full.device)
+
     def _launch(self, i):
         unit = self.units[i]
-        src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype))
+        buffer = self._take_buffer(unit)
+        src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype, out=buffer[:unit.layout.padded_numel]))
         unit.drop_param_grads()  # the full gradient is not kept: that is stage 2's saving
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
         pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap, owner=unit.name)
-        return pending, lambda: unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
+
+        def finish():
+            unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
+            self._spare.append(buffer)
+        return pending, finish
 
     def publish(self) -> None:
         _gather_all(self.units, self.stats)
@@ -263,7 +290,7 @@ def _attach_grad_views(units: list[FlatUnit], buffers: list[torch.Tensor]) -> No
 def _gather_all(units: list[FlatUnit], stats: comm.CommStats) -> None:
     """All-gather every unit's updated shard into its full buffer."""
     for unit in units:
-        comm.all_gather(unit.full, unit.local.clone(), stats, owner=unit.name)
+        comm.all_gather(unit.full, unit.local, stats, owner=unit.name)
 
 
 # Elements converted to float64 at a time by ``sum_of_squares``: on a CPU a chunk that stays in
