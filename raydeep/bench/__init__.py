@@ -9,11 +9,18 @@ import os
 
 def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="step time of raydeep's stages against DDP, ZeRO-1, FSDP2 and DeepSpeed",
-                           description=__doc__.split("\n")[0].strip("`") + " Writes JSON, a markdown table and "
-                           "a PNG chart.")
+                           description="Step time of raydeep's ZeRO stages against DDP, torch's ZeRO-1, FSDP2 and "
+                           "DeepSpeed on the built-in GPT, interleaved in one invocation. Writes JSON, a markdown "
+                           "table and a PNG chart.")
     bench.add_argument("--model", default="gpt-tiny", help="a size from raydeep.models.GPT_SIZES")
     bench.add_argument("--n-layer", type=int, default=0, help="override the size's layer count (0: keep it)")
-    bench.add_argument("--world", type=int, default=2, help="gloo ranks on this machine")
+    bench.add_argument("--world", type=int, default=2, help="gloo ranks (processes here, or Ray actors with --ray)")
+    bench.add_argument("--ray", action="store_true", help="run the ranks as Ray actors on a Ray cluster (one "
+                       "--threads CPUs each, packed in a placement group) instead of local processes")
+    bench.add_argument("--address", help="the Ray cluster for --ray (default: RAY_ADDRESS, a cluster running here, "
+                       "or a new local one)")
+    bench.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: raydeep and DeepSpeed with "
+                       "bf16.enabled, DDP and ZeRO-1 under bf16 autocast, FSDP2 with bf16 parameters and reduction")
     bench.add_argument("--steps", type=int, default=6, help="interleaved rounds measured (one step of each)")
     bench.add_argument("--warmup", type=int, default=2, help="rounds dropped before measuring")
     bench.add_argument("--seq", type=int, default=128)

@@ -43,17 +43,19 @@ class Contender:
 
 
 def ds_config(micro_batch: int, gas: int, stage: int, bucket: int, overlap: bool | None,
-              deepspeed: bool = False) -> dict:
+              deepspeed: bool = False, dtype: str = "fp32") -> dict:
     """The one ds_config raydeep and DeepSpeed read (the torch peers use its batch, clip and
     optimizer). DeepSpeed's also bounds its all-gather buckets by ``bucket``; raydeep all-gathers
-    each unit whole (and would warn that the key has no effect)."""
+    each unit whole (and would warn that the key has no effect). ``dtype="bf16"`` turns on
+    ``bf16`` (bf16 weights and communication, fp32 masters)."""
     zero = {"stage": stage, "reduce_bucket_size": bucket}
     if deepspeed:
         zero["allgather_bucket_size"] = bucket
     if overlap is not None:  # None: the engine's default
         zero["overlap_comm"] = overlap
+    precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
-            "gradient_clipping": CLIP,
+            "gradient_clipping": CLIP, **precision,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
             "zero_optimization": zero}
 
@@ -119,12 +121,14 @@ def import_deepspeed():
     return deepspeed
 
 
-def _torch_step(model, optimizer, micro_batches, no_sync) -> float:
-    """Accumulate over the micro-batches (gradients synchronised on the last only), clip, step."""
+def _torch_step(model, optimizer, micro_batches, no_sync, autocast: bool = False) -> float:
+    """Accumulate over the micro-batches (gradients synchronised on the last only), clip, step.
+    ``autocast``: the forward under ``torch.autocast`` in bf16 (torch's bf16 recipe for fp32 weights)."""
     total = 0.0
     for k, (x, y) in enumerate(micro_batches):
         with no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
-            loss = model(x, y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x, y)
             (loss / len(micro_batches)).backward()
         total += loss.item()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -132,7 +136,8 @@ def _torch_step(model, optimizer, micro_batches, no_sync) -> float:
     return total / len(micro_batches)
 
 
-def ddp_contender(model, bucket: int, zero_optimizer: bool = False) -> Contender:
+def ddp_contender(model, bucket: int, zero_optimizer: bool = False, bf16: bool = False) -> Contender:
+    """DDP (or DDP with ZeRO-1's optimizer) on fp32 weights; ``bf16``: its forward autocast to bf16."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -147,7 +152,7 @@ def ddp_contender(model, bucket: int, zero_optimizer: bool = False) -> Contender
     held = {}
 
     def step(micro_batches) -> float:
-        loss = _torch_step(ddp, optimizer, micro_batches, ddp.no_sync)
+        loss = _torch_step(ddp, optimizer, micro_batches, ddp.no_sync, autocast=bf16)
         held["bytes"] = (_nbytes(p for p in model.parameters()) + _nbytes(p.grad for p in model.parameters())
                          + _optimizer_state_bytes(states()))
         optimizer.zero_grad(set_to_none=True)
@@ -157,14 +162,18 @@ def ddp_contender(model, bucket: int, zero_optimizer: bool = False) -> Contender
     return Contender(name, family, stage, step, lambda: held.get("bytes"))
 
 
-def fsdp2_contender(model, world: int, reshard_after_forward: bool) -> Contender:
+def fsdp2_contender(model, world: int, reshard_after_forward: bool, bf16: bool = False) -> Contender:
+    """FSDP2; ``bf16``: its mixed-precision policy with bf16 parameters and gradient reduction
+    (fp32 sharded weights), what DeepSpeed's bf16 does."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+        else MixedPrecisionPolicy()
     for block in model.blocks:  # one unit per block, like raydeep's and DeepSpeed's stage 3
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     held = {}
 

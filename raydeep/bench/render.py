@@ -14,8 +14,8 @@ def markdown(summary: dict) -> str:
     s, m = summary["setup"], summary["machine"]
     peers = "DDP, torch ZeRO-1, FSDP2" + (", DeepSpeed" if m["deepspeed"] else " (DeepSpeed not installed)")
     lines = [f"**{s['model']}** (n_layer {s['n_layer'] or 'default'}), {summary['params'] / 1e6:.2f}M parameters, "
-             f"{s['world']} gloo ranks x {s['threads']} thread(s), micro batch {s['micro_batch']} x seq {s['seq']}, "
-             f"GAS {s['gas']}, fp32 AdamW, clip {1.0}; {s['steps']} interleaved rounds after {s['warmup']} warm-up; "
+             f"{s['world']} gloo ranks ({m.get('ranks', 'local processes')}) x {s['threads']} thread(s), micro batch {s['micro_batch']} x seq {s['seq']}, "
+             f"GAS {s['gas']}, {s.get('dtype', 'fp32')} AdamW, clip {1.0}; {s['steps']} interleaved rounds after {s['warmup']} warm-up; "
              f"bucket {s['bucket']:,} elements; against {peers}.",
              f"{m['date']}, {m['cpus']} CPUs, 1-minute load average {m['load_average_start']:.1f} at start and "
              f"{m['load_average_end']:.1f} at end; torch {m['torch']}; {m['seconds']:.0f} s.",

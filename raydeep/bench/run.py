@@ -21,7 +21,7 @@ from importlib.util import find_spec
 import torch
 
 from raydeep.bench import engines
-from raydeep.bench.ranks import on_gloo_ranks
+from raydeep.bench.ranks import on_gloo_ranks, on_ray_ranks
 
 PEER_OF_STAGE = {0: "DDP", 1: "torch ZeRO-1", 2: "FSDP2 grad-op", 3: "FSDP2"}
 
@@ -45,14 +45,16 @@ def build_model(opts):
 
 def build(opts, family: str, stage: int, overlap) -> engines.Contender:
     model, world = build_model(opts), torch.distributed.get_world_size()
-    cfg = engines.ds_config(opts.micro_batch, opts.gas, stage, opts.bucket, overlap, deepspeed=family == "deepspeed")
+    cfg = engines.ds_config(opts.micro_batch, opts.gas, stage, opts.bucket, overlap, deepspeed=family == "deepspeed",
+                            dtype=opts.dtype)
     if family == "raydeep":
         return engines.raydeep_contender(model, cfg, stage, overlap)
     if family == "deepspeed":
         return engines.deepspeed_contender(model, cfg, stage)
     if family in ("ddp", "torch-zero"):
-        return engines.ddp_contender(model, opts.bucket, zero_optimizer=family == "torch-zero")
-    return engines.fsdp2_contender(model, world, reshard_after_forward=stage == 3)
+        return engines.ddp_contender(model, opts.bucket, zero_optimizer=family == "torch-zero",
+                                     bf16=opts.dtype == "bf16")
+    return engines.fsdp2_contender(model, world, reshard_after_forward=stage == 3, bf16=opts.dtype == "bf16")
 
 
 def batches(micro_batch: int, gas: int, seq: int, rank: int, world: int, steps: int,
@@ -118,12 +120,13 @@ def theory(opts, world: int) -> dict:
     shape = ModelShape.from_module(model, opts.seq)
     states, traffic = {}, {}
     for stage in range(4):
-        cfg = load_config(engines.ds_config(opts.micro_batch, opts.gas, stage, opts.bucket, None), world_size=world)
-        estimate = estimate_model_states(numel, world, stage, "fp32")
+        cfg = load_config(engines.ds_config(opts.micro_batch, opts.gas, stage, opts.bucket, None, dtype=opts.dtype),
+                          world_size=world)
+        estimate = estimate_model_states(numel, world, stage, opts.dtype)
         params = estimate.params
         if stage == 3:
             persistent = persistent_params(cfg, shape)
-            params = 4 * (-(-(numel - persistent) // world) + persistent)
+            params = (2 if opts.dtype == "bf16" else 4) * (-(-(numel - persistent) // world) + persistent)
         states[stage] = params + estimate.grads + estimate.master + estimate.optimizer_states
         traffic[stage] = predict_traffic(cfg, shape).total
     return {"params": numel, "state_bytes": states, "comm_bytes_per_step": traffic}
@@ -173,10 +176,15 @@ def run(opts) -> dict:
         opts.deepspeed = False  # the report says so
     load_at_start = os.getloadavg()[0]  # other work on the machine skews every number: report it
     started = time.time()
-    per_rank = on_gloo_ranks(opts.world, measure, (opts,), threads=opts.threads, timeout=opts.timeout)
+    if getattr(opts, "ray", False):
+        per_rank = on_ray_ranks(opts.world, measure, (opts,), threads=opts.threads, timeout=opts.timeout,
+                                address=opts.address)
+    else:
+        per_rank = on_gloo_ranks(opts.world, measure, (opts,), threads=opts.threads, timeout=opts.timeout)
     summary = summarize(opts, per_rank, theory(opts, opts.world))
     summary["machine"] = {"cpus": os.cpu_count(), "load_average_start": load_at_start,
                           "load_average_end": os.getloadavg()[0], "seconds": time.time() - started,
                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-                          "torch": torch.__version__, "deepspeed": opts.deepspeed}
+                          "torch": torch.__version__, "deepspeed": opts.deepspeed,
+                          "ranks": "Ray actors" if getattr(opts, "ray", False) else "local processes"}
     return summary

@@ -95,3 +95,17 @@ def test_train_without_address_joins_the_cluster_ray_start_left(head, tmp_path):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cannot hold 4 worker(s)" in proc.stderr and "--address local" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_submitted_bench_job_runs_its_ranks_as_actors(head, tmp_path):
+    """``jobs/bench.py`` as jobs/README.md submits it: the ranks are Ray actors of the cluster."""
+    address, env = head
+    command = [BIN / "ray", "job", "submit", "--address", address, "--runtime-env", "jobs/runtime_env.yaml",
+               "--submission-id", "bench-1", "--", "python", "jobs/bench.py", "--world", "2", "--steps", "1",
+               "--warmup", "0", "--model", "gpt-tiny", "--n-layer", "1", "--seq", "16", "--micro-batch", "1",
+               "--gas", "1", "--bucket", "20000", "--no-deepspeed", "--out", str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert summary["machine"]["ranks"] == "Ray actors"
+    assert "| raydeep z3 overlap |" in proc.stdout and "| FSDP2 |" in proc.stdout
