@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
     bench.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
     bench.add_argument("--bucket", type=int, default=500_000, help="reduce/all-gather bucket in elements (and DDP's)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    bench.add_argument("--overlap", choices=("on", "off", "both"), default="on",
-                       help="raydeep's overlap_comm at stages 1-3 (both: a row each, and the blocked time hidden)")
+    bench.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
+                       help="raydeep's overlap_comm at stages 1-3: default is DeepSpeed's (off at 1-2, on at 3), "
+                       "as DeepSpeed's rows run; both: a row each, and the blocked time hidden")
     bench.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="leave DeepSpeed out")
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md and bench.png")
     bench.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the ranks")
@@ -44,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         raise InputError("--steps/--warmup/--world", "must be >= 1, >= 0 and >= 1",
                          value=(args.steps, args.warmup, args.world), fix="pass positive counts")
-    args.overlap = {"on": (True,), "off": (False,), "both": (False, True)}[args.overlap]
+    args.overlap = {"default": (None,), "on": (True,), "off": (False,), "both": (False, True)}[args.overlap]
     summary = run(args)
     table = markdown(summary)
     print(table)

@@ -10,13 +10,22 @@ def _ratio(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _overlap(choice) -> str:
+    """How the rows' overlap_comm was set (``--overlap``)."""
+    choice = list(choice or [None])
+    if choice == [None]:
+        return "DeepSpeed's default (off at stages 1-2, on at 3, as the DeepSpeed rows)"
+    return "off and on (a row each)" if len(choice) == 2 else ("on" if choice[0] else "off")
+
+
 def markdown(summary: dict) -> str:
     s, m = summary["setup"], summary["machine"]
     peers = "DDP, torch ZeRO-1, FSDP2" + (", DeepSpeed" if m["deepspeed"] else " (DeepSpeed not installed)")
     lines = [f"**{s['model']}** (n_layer {s['n_layer'] or 'default'}), {summary['params'] / 1e6:.2f}M parameters, "
              f"{s['world']} gloo ranks ({m.get('ranks', 'local processes')}) x {s['threads']} thread(s), micro batch {s['micro_batch']} x seq {s['seq']}, "
              f"GAS {s['gas']}, {s.get('dtype', 'fp32')} AdamW, clip {1.0}; {s['steps']} interleaved rounds after {s['warmup']} warm-up; "
-             f"bucket {s['bucket']:,} elements; against {peers}.",
+             f"bucket {s['bucket']:,} elements; raydeep's overlap_comm "
+             f"{_overlap(s.get('overlap'))}; against {peers}.",
              f"{m['date']}, {m['cpus']} CPUs, 1-minute load average {m['load_average_start']:.1f} at start and "
              f"{m['load_average_end']:.1f} at end; torch {m['torch']}; {m['seconds']:.0f} s.",
              "",

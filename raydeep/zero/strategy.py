@@ -57,6 +57,7 @@ class ZeroStrategy:
         self._reduced: set[int] = set()
         self._pending: list[tuple[comm.Pending, callable]] = []
         self._hooks_live = False
+        self._flushing = False
         # Called before anything writes the masters outside ``engine.step`` (the engine points it at
         # its checkpointer, whose background save may still be copying them).
         self.before_master_update = lambda: None
@@ -84,9 +85,14 @@ class ZeroStrategy:
     def end_backward(self, boundary: bool) -> None:
         self._hooks_live = False
         if self._reduce_this_micro_step(boundary):
+            # Backward is over, so nothing is left to overlap: the units still to reduce are all
+            # launched before any is waited for, and the process group works through them back
+            # to back instead of one round trip at a time.
+            self._flushing = True
             for i, unit in enumerate(self.units):  # Note: unit order, identical on every rank
                 if i not in self._reduced:
                     self._reduce_unit(i)
+            self._flushing = False
         for pending, finish in self._pending:
             pending.wait()
             finish()
@@ -138,11 +144,17 @@ class ZeroStrategy:
         assert i not in self._reduced, f"Gradient computed twice for this partition ({self.units[i].name})"
         self._reduced.add(i)
         pending, finish = self._launch(i)
-        if self.reduce.overlap:
+        if self._async_launch:
             self._pending.append((pending, finish))
         else:
             pending.wait()
             finish()
+
+    @property
+    def _async_launch(self) -> bool:
+        """Launch reductions without waiting: with ``overlap_comm`` (from the hooks), and for the
+        flush after backward (see ``end_backward``)."""
+        return self.reduce.overlap or self._flushing
 
     def _comm_input(self, flat: torch.Tensor) -> torch.Tensor:
         flat = flat if flat.dtype == self.reduce.comm_dtype else flat.to(self.reduce.comm_dtype)
@@ -169,7 +181,7 @@ class Stage0(ZeroStrategy):
     def _launch(self, i):
         unit = self.units[i]
         buf = self._comm_input(unit.grad if unit.grad.dtype == self.reduce.comm_dtype else unit.grad.clone())
-        pending = comm.all_reduce(buf, self.stats, async_op=self.reduce.overlap, owner=unit.name)
+        pending = comm.all_reduce(buf, self.stats, async_op=self._async_launch, owner=unit.name)
 
         def finish():
             if buf.data_ptr() != unit.grad.data_ptr():
@@ -205,7 +217,7 @@ class Stage1(ZeroStrategy):
         plain = full.dtype == self.reduce.comm_dtype and self.reduce.pre_factor == 1.0
         src = full if plain else self._comm_input(full.clone())
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
-        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap, owner=unit.name)
+        pending = comm.reduce_scatter(out, src, self.stats, async_op=self._async_launch, owner=unit.name)
         return pending, lambda: unit.grad.copy_(out.mul_(self.reduce.post_factor))
 
     def publish(self) -> None:
@@ -264,7 +276,7 @@ class Stage2(ZeroStrategy):
         src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype, out=buffer[:unit.layout.padded_numel]))
         unit.drop_param_grads()  # the full gradient is not kept: that is stage 2's saving
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
-        pending = comm.reduce_scatter(out, src, self.stats, async_op=self.reduce.overlap, owner=unit.name)
+        pending = comm.reduce_scatter(out, src, self.stats, async_op=self._async_launch, owner=unit.name)
 
         def finish():
             unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
