@@ -214,12 +214,14 @@ def _world_size_plot(plt, summary: dict, out: str) -> None:
         ax.set_xlabel("world size")
         ax.set_xticks(worlds)
         ax.grid(alpha=0.3)
-        ax.legend(title="ZeRO stage (circles: real gloo runs)")
+        # Below the axes: inside, a legend would cover one of the curves.
+        ax.legend(title="ZeRO stage (circles: real gloo runs)", loc="upper center", bbox_to_anchor=(0.5, -0.14),
+                  ncol=4)
     blocks = s["layout_layers"] or "its own"
     fig.suptitle(f"raydeep against world size: {s['model']} ({blocks} blocks), the engine's layout in a fake "
                  f"process group")
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "world_size.png"), dpi=110)
+    fig.savefig(os.path.join(out, "world_size.png"), dpi=110, bbox_inches="tight")  # with the legends below
     plt.close(fig)
 
 
