@@ -40,6 +40,8 @@ def _gloo_or(collective, exchanged):
     moves the same bytes in about half the time."""
     def launch(output, input, group=None, async_op=False):
         if dist.get_backend(group) != "gloo":
+            if _overlaps(input, output):  # a ZeRO shard inside its flat buffer: torch's take separate tensors
+                input = input.clone()
             return collective(output, input, group=group, async_op=async_op)
         work = exchanged(output, input, group)
         return work if async_op else work.wait()
@@ -272,8 +274,6 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, stats: CommStats | Non
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Pending(None, None, label)
-    if dist.get_backend(group) != "gloo" and _overlaps(input, output):
-        input = input.clone()  # torch's collective takes a separate input (the gloo exchange does not)
     return _run(label, output.numel() * output.element_size(), stats, async_op,
                 lambda a: _ALL_GATHER(output, input, group=group, async_op=a), input, group, owner)
 

@@ -22,9 +22,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _one_rank(rank: int, world: int, address: str, port: int, threads: int, fn, args) -> tuple:
+    """Join the gloo group as ``rank``, run ``fn(*args)``, leave: (None, the result saved) or
+    (the traceback, None). What a spawned process and a Ray actor each run."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=address,
+                      MASTER_PORT=str(port))
     try:
         import torch.distributed as dist
 
@@ -35,9 +37,13 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn, args, queue) 
         dist.destroy_process_group()
         buffer = io.BytesIO()
         torch.save(result, buffer)
-        queue.put((rank, None, buffer.getvalue()))
+        return None, buffer.getvalue()
     except BaseException:  # report instead of leaving the parent waiting
-        queue.put((rank, traceback.format_exc(), None))
+        return traceback.format_exc(), None
+
+
+def _rank_main(rank: int, world: int, port: int, threads: int, fn, args, queue) -> None:
+    queue.put((rank, *_one_rank(rank, world, "127.0.0.1", port, threads, fn, args)))
 
 
 def on_gloo_ranks(world: int, fn, args: tuple = (), threads: int = 1, timeout: float = 1800) -> list:
@@ -63,25 +69,6 @@ def on_gloo_ranks(world: int, fn, args: tuple = (), threads: int = 1, timeout: f
     return [results[r] for r in range(world)]
 
 
-def _ray_rank(rank: int, world: int, address: str, port: int, threads: int, fn, args) -> tuple:
-    """One rank in a Ray actor: what :func:`_rank_main` does in a spawned process."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR=address,
-                      MASTER_PORT=str(port))
-    try:
-        import torch.distributed as dist
-
-        torch.set_num_threads(threads)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(*args)
-        dist.barrier()
-        dist.destroy_process_group()
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        return None, buffer.getvalue()
-    except BaseException:
-        return traceback.format_exc(), None
-
-
 def on_ray_ranks(world: int, fn, args: tuple = (), threads: int = 1, timeout: float = 1800,
                  address: str | None = None) -> list:
     """``fn(*args)`` on ``world`` Ray actors of one gloo group, each with ``threads`` CPUs, in a
@@ -105,7 +92,7 @@ def on_ray_ranks(world: int, fn, args: tuple = (), threads: int = 1, timeout: fl
                 return ray.util.get_node_ip_address(), _free_port()
 
             def run(self, *call):
-                return _ray_rank(*call)
+                return _one_rank(*call)
 
         actors = [Rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, r)).remote()
                   for r in range(world)]

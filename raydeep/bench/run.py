@@ -113,7 +113,7 @@ def theory(opts, world: int) -> dict:
     from raydeep.doctor.memory import persistent_params
     from raydeep.doctor.shape import ModelShape
     from raydeep.doctor.traffic import predict_traffic
-    from raydeep.estimate import estimate_model_states
+    from raydeep.estimate import PRECISION_BYTES, estimate_model_states
 
     model = build_model(opts)
     numel = sum(p.numel() for p in model.parameters())
@@ -126,7 +126,7 @@ def theory(opts, world: int) -> dict:
         params = estimate.params
         if stage == 3:
             persistent = persistent_params(cfg, shape)
-            params = (2 if opts.dtype == "bf16" else 4) * (-(-(numel - persistent) // world) + persistent)
+            params = PRECISION_BYTES[opts.dtype] * (-(-(numel - persistent) // world) + persistent)
         states[stage] = params + estimate.grads + estimate.master + estimate.optimizer_states
         traffic[stage] = predict_traffic(cfg, shape).total
     return {"params": numel, "state_bytes": states, "comm_bytes_per_step": traffic}
