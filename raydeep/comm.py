@@ -35,11 +35,18 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _exchanging(group) -> bool:
+    """Whether this collective runs as :mod:`raydeep.exchange`'s point-to-point exchange: on gloo
+    groups, unless ``RAYDEEP_GLOO_EXCHANGE=0`` (torch's own gloo collectives: how the tests run
+    the branch NCCL takes on a CPU-only machine, and how a benchmark measures the difference)."""
+    return dist.get_backend(group) == "gloo" and os.environ.get("RAYDEEP_GLOO_EXCHANGE", "1") != "0"
+
+
 def _gloo_or(collective, exchanged):
     """``collective`` (a torch one), except on gloo, where ``exchanged`` (:mod:`raydeep.exchange`)
     moves the same bytes in about half the time."""
     def launch(output, input, group=None, async_op=False):
-        if dist.get_backend(group) != "gloo":
+        if not _exchanging(group):
             if _overlaps(input, output):  # a ZeRO shard inside its flat buffer: torch's take separate tensors
                 input = input.clone()
             return collective(output, input, group=group, async_op=async_op)
@@ -328,8 +335,11 @@ def collective_device(group=None) -> torch.device:
 
 def check_device(op: str, tensor: torch.Tensor, backend: str) -> None:
     """NCCL moves CUDA tensors only: a CPU tensor there fails deep inside torch.distributed (or,
-    with some builds, hangs), so name the op and the tensor's device instead."""
-    if backend == "nccl" and tensor.device.type != "cuda":
-        raise RuntimeError(f"raydeep: {op} of a {tensor.device.type} tensor {tuple(tensor.shape)} "
-                           f"{tensor.dtype} on an NCCL process group; collectives take tensors on the "
-                           "engine's CUDA device")
+    with some builds, hangs), so name the op and the tensor's device instead. A gloo group's ranks
+    run on the CPU (the engine's device follows the backend): gloo's point-to-point sends, which
+    the exchanges use, refuse CUDA tensors, so a CUDA tensor there is a device-discipline bug."""
+    expected = {"nccl": "cuda", "gloo": "cpu"}.get(backend)
+    if expected is not None and tensor.device.type != expected:
+        raise RuntimeError(f"raydeep: {op} of a {tensor.device.type} tensor {tuple(tensor.shape)} {tensor.dtype} on "
+                           f"a {backend} process group, which takes {expected} tensors; collectives take tensors "
+                           "on the engine's device, which follows the backend (NCCL: cuda:LOCAL_RANK, gloo: the CPU)")

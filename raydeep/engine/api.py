@@ -50,19 +50,40 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(distributed_port))
     env.setdefault("LOCAL_RANK", env.get("LOCAL_RANK", "0"))
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        _device()  # set this rank's device before the group: NCCL binds its communicator to it
+    backend = dist_backend or ("nccl" if _wants_cuda(None) else "gloo")
+    if "nccl" in backend:
+        rank_device(backend)  # set this rank's device before the group: NCCL binds its communicator to it
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        # Ray sets CUDA_VISIBLE_DEVICES per worker, so LOCAL_RANK indexes the visible devices.
-        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+def _wants_cuda(backend: str | None) -> bool:
+    """Whether a rank on ``backend`` computes on CUDA. The backend decides where there is one:
+    gloo sends CPU tensors only (its point-to-point ops refuse CUDA ones), and gloo ranks that
+    built on the GPU would all land on ``cuda:0``. Without a process group, CUDA where available
+    unless ``DS_ACCELERATOR=cpu`` (DeepSpeed's override)."""
+    if backend is not None:
+        return "nccl" in backend
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "").lower() != "cpu"
+
+
+def rank_device(backend: str | None = None) -> torch.device:
+    """This rank's device, following ``backend`` (default: the process group's, if any):
+    ``cuda:LOCAL_RANK`` for NCCL (made current), the CPU for gloo.
+
+    >>> rank_device("gloo")
+    device(type='cpu')
+    """
+    if backend is None and dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+    if not _wants_cuda(backend):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"raydeep: the process group's backend is {backend!r}, which needs a CUDA device, and "
+                           "this process sees none; use backend 'gloo' on CPU-only machines")
+    # Ray sets CUDA_VISIBLE_DEVICES per worker, so LOCAL_RANK indexes the visible devices.
+    local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -81,7 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                               and int(os.environ.get("WORLD_SIZE", 1)) > 1):
         init_distributed(distributed_port=distributed_port)
     cfg = load_config(config, world_size=comm.world_size(), overrides=overrides)
-    engine = build_engine(model, cfg, model_parameters, optimizer, lr_scheduler, device=_device())
+    engine = build_engine(model, cfg, model_parameters, optimizer, lr_scheduler, device=rank_device())
     engine.config = cfg
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=comm.world_size(), rank=comm.rank())

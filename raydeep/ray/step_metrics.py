@@ -44,9 +44,12 @@ from raydeep.metrics import METRICS_DIR, SCHEMA, attempt_file, collective_bytes
 logger = logging.getLogger("raydeep")
 
 FLUSH_EVERY = 50  # steps between flushes: each rewrites the whole file, so not every step
-# Dense bf16/fp16 TFLOP/s of one chip, matched as a word of torch.cuda.get_device_name()
-# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"; "L4" does not match an "L40S").
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
+# Dense bf16/fp16 TFLOP/s of one chip, matched as words of torch.cuda.get_device_name()
+# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"; "L4" does not match an "L40S"). The first
+# match wins, so a form factor with its own clock and power ("H100 PCIe", "H100 NVL") comes
+# before its chip's SXM figure.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H100": 989.0, "H200": 989.0,
+               "GH200": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
 _ATTEMPT_FILE = re.compile(r"attempt-(\d+)\.parquet$")
 
 

@@ -14,8 +14,12 @@ def tiny_gpt():
     return build_gpt("gpt-tiny", block_size=SEQ, n_layer=2, n_embd=64, n_head=4)
 
 
-def global_batches(steps: int, batch: int, seed: int = 1) -> list[torch.Tensor]:
+def global_batches(steps: int, batch: int, seed: int = 1, repeat: bool = False) -> list[torch.Tensor]:
+    """``steps`` global batches of uniform random tokens; with ``repeat``, the first one every step
+    (its loss falls steadily, where fresh random tokens keep the loss near ln 256)."""
     g = torch.Generator().manual_seed(seed)
+    if repeat:
+        return [torch.randint(0, 256, (batch, SEQ + 1), generator=g)] * steps
     return [torch.randint(0, 256, (batch, SEQ + 1), generator=g) for _ in range(steps)]
 
 
@@ -45,7 +49,8 @@ def train_engine(cfg: dict, steps: int, global_batch: int, warmup_steps: int = 0
             "numel": sum(p.numel() for p in params), "grad_norm": engine.get_global_grad_norm()}
 
 
-def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip: int = 0) -> list[float]:
+def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip: int = 0,
+              repeat: bool = False) -> list[float]:
     """The loop both raydeep and DeepSpeed run: micro-step k of rank r takes a fixed slice of
     each global batch; returns per-step losses averaged over ranks. ``skip`` starts at that
     global batch (a resumed run continues the same data stream)."""
@@ -54,7 +59,7 @@ def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses = []
-    for step, batch in enumerate(global_batches(steps, global_batch)):
+    for step, batch in enumerate(global_batches(steps, global_batch, repeat=repeat)):
         if step < skip:
             continue
         if step == warmup_steps and warmup_steps:
@@ -74,7 +79,7 @@ def run_steps(engine, steps: int, global_batch: int, warmup_steps: int = 0, skip
 
 
 def train_reference(steps: int, global_batch: int, clip: float, dtype: torch.dtype = torch.float32,
-                    micro: int | None = None, trace: bool = False) -> dict:
+                    micro: int | None = None, trace: bool = False, repeat: bool = False) -> dict:
     """Plain single-process PyTorch with the same global batch: the oracle.
 
     ``dtype`` float64 gives the exact-arithmetic stand-in the parity test measures against.
@@ -88,7 +93,7 @@ def train_reference(steps: int, global_batch: int, clip: float, dtype: torch.dty
     model = tiny_gpt().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=dtype == torch.float32)
     losses, norms, grads, denoms, trajectory = [], [], [], [], []
-    for batch in global_batches(steps, global_batch):
+    for batch in global_batches(steps, global_batch, repeat=repeat):
         pieces = batch.split(micro) if micro else [batch]
         loss = 0.0
         for piece in pieces:

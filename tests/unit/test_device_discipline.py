@@ -67,7 +67,8 @@ def test_the_reduced_value_is_built_where_the_norm_lives(fake_cuda):
 
 
 def test_collectives_refuse_cpu_tensors_on_nccl_naming_the_op():
-    with pytest.raises(RuntimeError, match=r"all_reduce of a cpu tensor \(1,\) torch.float64 on an NCCL"):
+    with pytest.raises(RuntimeError, match=r"all_reduce of a cpu tensor \(1,\) torch.float64 on a nccl process "
+                                           r"group, which takes cuda tensors"):
         comm.check_device("all_reduce", torch.zeros(1, dtype=torch.float64), "nccl")
     comm.check_device("all_reduce", torch.zeros(1), "gloo")  # gloo takes CPU tensors
 

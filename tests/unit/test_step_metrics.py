@@ -177,7 +177,8 @@ def test_flops_per_token_from_the_model_or_six_per_parameter():
 
 
 @pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
     ("NVIDIA L4", 121.0), ("NVIDIA A10G", 125.0), ("Tesla V100-SXM2-16GB", 125.0),
     ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 4090", None)])
 def test_the_peak_table_matches_chip_names(name, tflops):
