@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint import restore, snapshot
+from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFence
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.checkpoint.storage import Storage
 from raydeep.checkpoint.writer import TagWriter, committed_tags, new_manifest
@@ -28,38 +29,42 @@ logger = logging.getLogger("raydeep")
 
 
 class Checkpointer:
-    """Saves and loads one engine's checkpoints."""
+    """Saves and loads the checkpoints of one run's stateful parts (``raydeep.checkpoint.parts``).
+    ``fence`` is shared with whatever writes the masters: it stays closed while an asynchronous
+    save copies them."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, parts: CheckpointParts, settings: CheckpointSettings = CheckpointSettings(),
+                 fence: CopyFence | None = None):
+        self.parts, self.settings = parts, settings
+        self.copy_fence = fence if fence is not None else CopyFence()
         self._group = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._copied = threading.Event()  # set once an asynchronous save has copied the states
-        self._copied.set()
         self._static: dict | None = None  # manifest fields fixed for this engine (rank 0)
         self._known_tags: dict[str, list] = {}  # committed tags per save_dir, for retention (rank 0)
 
     # --- save -------------------------------------------------------------------------------------
     def save(self, save_dir, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True,
-             async_save: bool = False, keep_last_k: int | None = None) -> bool:
+             async_save: bool | None = None, keep_last_k: int | None = None) -> bool:
         """Training waits only for a snapshot of references and small state: with
         ``async_save`` the copy of the parameter and optimizer states, the write and every
         collective of the save run in a background thread (CheckFreq's pipelined snapshot: the
         copy overlaps the next forward and backward, and the next optimizer step waits for it
-        in ``fence``)."""
+        in ``fence``). ``async_save`` and ``keep_last_k`` default to the settings'."""
+        async_save = self.settings.async_save if async_save is None else async_save
+        keep_last_k = self.settings.keep_last_k if keep_last_k is None else keep_last_k
         self.wait()  # one save in flight at a time: the previous must be committed first
         if client_state and "checkpoint_parallel_dimensions" in client_state:
             raise KeyError("client_state key 'checkpoint_parallel_dimensions' is reserved")
-        tag = str(tag) if tag is not None else fmt.default_tag(self.engine.global_steps)
+        tag = str(tag) if tag is not None else fmt.default_tag(self.parts.train_state.global_steps)
         TagWriter.check_tag(tag)
         storage = Storage.open(save_dir)
         self._coordination_group()  # created here, never beside training collectives in the writer thread
-        if self.engine.rank == 0 and self._static is None:
-            self._static = snapshot.static_state(self.engine)
-        snap = snapshot.take(self.engine, client_state, self._static)
+        if self.parts.rank == 0 and self._static is None:
+            self._static = snapshot.static_state(self.parts, self.settings.config)
+        snap = snapshot.take(self.parts, client_state, self._static)
         if async_save:
-            self._copied.clear()
+            self.copy_fence.close()
             self._thread = threading.Thread(target=self._background, name="raydeep-checkpoint",
                                             args=(storage, tag, snap, save_latest, keep_last_k))
             self._thread.start()
@@ -71,7 +76,7 @@ class Checkpointer:
     def fence(self) -> None:
         """Block until an asynchronous save has copied the states it saves; the engine calls
         this before it changes parameters or optimizer states."""
-        self._copied.wait()
+        self.copy_fence.wait()
 
     def wait(self) -> None:
         """Block until an asynchronous save has committed; re-raise its failure here."""
@@ -87,16 +92,14 @@ class Checkpointer:
             try:
                 snap.copy_tensors()
             finally:
-                self._copied.set()
+                self.copy_fence.open()
             self._write_and_commit(storage, tag, snap, *args)
         except BaseException as err:  # surfaced by the next wait()
             self._error = err
 
     def _write_and_commit(self, storage: Storage, tag: str, snap: snapshot.RankSnapshot, save_latest: bool,
                           keep_last_k: int | None) -> None:
-        rank, world = self.engine.rank, self.engine.world_size
-        config = getattr(self.engine, "config", None)
-        fsync = config.raydeep.checkpoint_fsync if config is not None else True
+        rank, world, fsync = self.parts.rank, self.parts.world_size, self.settings.fsync
 
         # 1. Rank 0 empties the staging location of its tag; every rank learns every rank's tag.
         tags = self._agree("prepare", lambda: TagWriter(storage, tag, fsync).prepare() if rank == 0 else None,
@@ -131,12 +134,11 @@ class Checkpointer:
         the save everywhere; ``Warn`` and ``Ignore`` save under rank 0's tag, so the files of all
         ranks still land in one checkpoint."""
         if len(set(tags)) > 1:
-            config = getattr(self.engine, "config", None)
-            mode = config.checkpoint.tag_validation if config is not None else "Warn"
+            mode = self.settings.tag_validation
             message = f"checkpoint tag differs across ranks: {tags}"
             if mode == "Fail":
                 raise CheckpointError(message + " (checkpoint.tag_validation is Fail)")
-            if mode == "Warn" and self.engine.rank == 0:
+            if mode == "Warn" and self.parts.rank == 0:
                 logger.warning("%s; saving every rank's files under rank 0's tag %r", message, tags[0])
         return tags[0]
 
@@ -153,9 +155,9 @@ class Checkpointer:
             return None, None
         with_optimizer = load_optimizer_states and not load_module_only
         reader = self._agree("open", lambda: CheckpointReader.open(storage, tag))
-        states = self._agree("read", lambda: restore.read_shards(self.engine, reader, with_optimizer,
+        states = self._agree("read", lambda: restore.read_shards(self.parts, reader, with_optimizer,
                                                                  load_module_strict))
-        client = restore.finish(self.engine, reader, states, with_optimizer, load_lr_scheduler_states,
+        client = restore.finish(self.parts, reader, states, with_optimizer, load_lr_scheduler_states,
                                 load_module_only)
         logger.info("loaded checkpoint %s", reader.path)
         return reader.path, client
@@ -181,7 +183,7 @@ class Checkpointer:
                 return tag, client, skipped
             except CorruptCheckpointError as err:
                 skipped.append((tag, str(err)))
-                if self.engine.rank == 0:
+                if self.parts.rank == 0:
                     logger.warning("checkpoint %s is damaged, trying an older one: %s", tag, err)
         where = Storage.open(load_dir).describe()
         reasons = "".join(f"\n  {tag}: {reason}" for tag, reason in skipped)
@@ -191,7 +193,7 @@ class Checkpointer:
 
     # --- coordination -----------------------------------------------------------------------------
     def _coordination_group(self):
-        if self.engine.world_size == 1 or not dist.is_initialized():
+        if self.parts.world_size == 1 or not dist.is_initialized():
             return None
         if self._group is None:  # created by every rank in the same save/load call
             self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
@@ -201,7 +203,7 @@ class Checkpointer:
         group = self._coordination_group()
         if group is None:
             return [obj]
-        out = [None] * self.engine.world_size
+        out = [None] * self.parts.world_size
         dist.all_gather_object(out, obj, group=group)
         return out
 
@@ -218,7 +220,7 @@ class Checkpointer:
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             result, error = None, err
         # Whether the failure is damage (an older checkpoint may be intact) travels with the message.
-        message = None if error is None else (f"rank {self.engine.rank}: {error}",
+        message = None if error is None else (f"rank {self.parts.rank}: {error}",
                                               isinstance(error, CorruptCheckpointError))
         group = self._coordination_group()
         if group is not None and not share:
@@ -226,7 +228,7 @@ class Checkpointer:
             flags = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             if not flags[0] and flags[1] == -flags[2]:  # nobody failed, all passed the same ``same``
-                return [same] * self.engine.world_size if same is not None else result
+                return [same] * self.parts.world_size if same is not None else result
         outcomes = self._gather((message, result if share else same))
         failures = [m for m, _ in outcomes if m]
         if error is not None and len(failures) == 1:

@@ -253,5 +253,5 @@ def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool
         used.update(unit.param_names)  # every rank reports the same: each name has an owner somewhere
     engine.tier.load_state_dict(TierState(pieces))  # fp32 masters -> model-dtype shards
     engine.strategy.publish()  # -> full parameters
-    used |= copy_unpartitioned(engine, buffers=state_dict, frozen=state_dict)
+    used |= copy_unpartitioned(engine.module, engine.strategy.units, buffers=state_dict, frozen=state_dict)
     return [name for name in state_dict if name not in used]

@@ -1,4 +1,4 @@
-"""Take a rank's share of the engine state as plain tensors and JSON, independent of the stage.
+"""Take a rank's share of the training state as plain tensors and JSON, independent of the stage.
 
 Each rank saves, for every FlatUnit, the element ranges it owns: its shard for stages 1-3, and
 for stage 0 (where every rank holds everything) an even split of each unit across the ranks, so
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from raydeep.checkpoint import format as fmt
+from raydeep.checkpoint.parts import CheckpointParts
 from raydeep.zero.layout import UnitLayout
 
 
@@ -66,21 +67,20 @@ def pieces_in(unit, start: int, end: int):
             yield slot, s, e
 
 
-def take(engine, client_state: dict | None, static: dict | None = None) -> RankSnapshot:
-    """This rank's snapshot of ``engine``; rank 0 also fills the model-wide parts.
+def take(parts: CheckpointParts, client_state: dict | None, static: dict | None = None) -> RankSnapshot:
+    """This rank's snapshot of the stateful ``parts``; rank 0 also fills the model-wide parts.
 
     It runs in the caller's thread while training waits, so it does little: the parameter and
     optimizer states are only *referenced* (``copy_tensors`` copies them, and an asynchronous
     save does that in its thread, before the next optimizer step, while the next forward and
     backward run); the RNG states are kept as they are (``rng_json`` converts them later), and
-    ``static`` (``static_state``, computed once per engine) is reused rather than rebuilt.
+    ``static`` (``static_state``, computed once per run) is reused rather than rebuilt.
     Model-wide tensors (buffers may change in a forward) are copied here.
     """
     snap = RankSnapshot(rng=_capture_rng())
-    units = engine.strategy.units
-    state = engine.tier.state_dict([owned_range(u, engine.rank, engine.world_size)[:2] for u in units])
+    state = parts.tier.state_dict([owned_range(u, parts.rank, parts.world_size)[:2] for u in parts.units])
     packed = fmt.PackedFile()
-    for unit, piece in zip(units, state.units):
+    for unit, piece in zip(parts.units, state.units):
         if piece.start >= piece.end:
             continue
         # The unit's parameters lie back to back, so the pieces of [start, end) are one slice.
@@ -88,44 +88,42 @@ def take(engine, client_state: dict | None, static: dict | None = None) -> RankS
         packed.add_run([(slot.name, s - slot.offset, e - slot.offset)
                         for slot, s, e in pieces_in(unit, piece.start, piece.end)], by_kind)
     snap.packed, snap.pieces = packed, packed.pieces
-    snap.rank_local = engine.tier.rank_state()
-    if engine.device.type == "cuda":
+    snap.rank_local = parts.tier.rank_state()
+    if parts.device.type == "cuda":
         snap.ready = torch.cuda.Event()
-        snap.ready.record(torch.cuda.current_stream(engine.device))
-    if engine.rank == 0:
-        snap.manifest = {**(static if static is not None else static_state(engine)), **_dynamic_state(engine, state)}
-        snap.extra = _extra_tensors(engine, client_state or {})
+        snap.ready.record(torch.cuda.current_stream(parts.device))
+    if parts.rank == 0:
+        snap.manifest = {**(static if static is not None else static_state(parts)), **_dynamic_state(parts, state)}
+        snap.extra = _extra_tensors(parts, client_state or {})
         snap.manifest["client_state"] = {k: v for k, v in (client_state or {}).items() if not torch.is_tensor(v)}
         if snap.manifest["client_state"]:
             fmt.to_json(snap.manifest["client_state"], "client_state")  # fail now, in the caller's thread
     return snap
 
 
-def static_state(engine) -> dict:
-    """The manifest fields that do not change while an engine trains (shapes, layout, config)."""
-    names_in_units = {name: unit for unit in engine.strategy.units for name in unit.param_names}
+def static_state(parts: CheckpointParts, config: dict | None = None) -> dict:
+    """The manifest fields that do not change while a run trains (shapes, layout, config)."""
+    names_in_units = {name: unit for unit in parts.units for name in unit.param_names}
     params = {}
-    for name, p in engine.module.named_parameters():
+    for name, p in parts.module.named_parameters():
         if name in names_in_units:
             params[name] = {"shape": list(p.shape), "dtype": fmt.dtype_name(p.dtype),
                             "group": names_in_units[name].group_index}
-    config = getattr(engine, "config", None)
-    return {"world_size": engine.world_size, "stage": engine.settings.stage, "precision": engine.settings.precision,
-            "params": params, "config": config.model_dump(mode="json") if config is not None else None}
+    return {"world_size": parts.world_size, "stage": parts.stage, "precision": parts.precision,
+            "params": params, "config": config}
 
 
-def _dynamic_state(engine, state) -> dict:
+def _dynamic_state(parts: CheckpointParts, state) -> dict:
     """Counters, optimizer scalars and hyperparameters (from the tier's ``state``), scheduler, scaler."""
-    scaler = engine.loss_scaler.state_dict() if hasattr(engine.loss_scaler, "state_dict") else None
-    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    scaler = parts.scaler.state_dict() if hasattr(parts.scaler, "state_dict") else None
+    sched = parts.scheduler.state_dict() if parts.scheduler is not None else None
     return {
-        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "skipped_steps": engine.skipped_steps},
+        "counters": parts.train_state.state_dict(),
         "optimizer": {"class": state.optimizer, "state_keys": list(state.state_dtypes),
                       "state_dtypes": {k: fmt.dtype_name(d) for k, d in state.state_dtypes.items()},
                       "scalars": state.scalars},
         "param_groups": state.param_groups, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
-        "rank_local": sorted(engine.tier.rank_state()),  # names in every rank's file (error feedback)
+        "rank_local": sorted(parts.tier.rank_state()),  # names in every rank's file (error feedback)
         "loss_scaler": _jsonable(scaler, "loss scaler state"),
     }
 
@@ -144,12 +142,12 @@ def _jsonable(obj, what: str):
     raise TypeError(f"{what}: {type(obj).__name__} values cannot be saved without pickling")
 
 
-def _extra_tensors(engine, client_state: dict) -> dict[str, torch.Tensor]:
-    unit_params = {id(p) for unit in engine.strategy.units for p in unit.params}
+def _extra_tensors(parts: CheckpointParts, client_state: dict) -> dict[str, torch.Tensor]:
+    unit_params = {id(p) for unit in parts.units for p in unit.params}
     extra = {}
-    for name, buf in engine.module.named_buffers():
+    for name, buf in parts.module.named_buffers():
         extra[f"buffer/{name}"] = buf.detach().cpu().clone()
-    for name, p in engine.module.named_parameters():
+    for name, p in parts.module.named_parameters():
         if id(p) not in unit_params:  # frozen: not partitioned, the same on every rank
             extra[f"frozen/{name}"] = p.detach().cpu().clone()
     for key, value in client_state.items():

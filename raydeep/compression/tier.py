@@ -1,8 +1,8 @@
 """The optimizer tier of the compressed-communication optimizers: where they take over the
 gradient communication from the stage-0 strategy.
 
-The strategy asks ``communicates_gradients()`` before each backward (the engine points its
-``skip_reduction`` at it): in the warm-up it is False and gradients are all-reduced as usual; in
+The strategy asks ``communicates_gradients()`` before each backward (the builder links its
+``tier_communicates`` at it): in the warm-up it is False and gradients are all-reduced as usual; in
 the compressed stage it is True, the strategy leaves each rank its own gradients, and the
 optimizer averages what it needs with the compressed all-reduce. The engine then agrees on
 overflow and clipping across the ranks, whose gradients now differ.

@@ -67,6 +67,7 @@ def refuse(why: str, fix: str, example: Any, *, needs: dict | None = None, inert
 
 
 BUILDER, ENGINE = "raydeep/engine/builder.py", "raydeep/engine/engine.py"
+PARTS = "raydeep/checkpoint/parts.py"  # the checkpoint's settings
 SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batch.py", "raydeep/zero/stage3.py"
 
 _NVME = "it configures NVMe offload, which raydeep does not support (CPU offload does not read it)"
@@ -260,7 +261,7 @@ SUPPORT: dict[str, Support] = {
     "data_types.keep_in_fp32_modules": warn("raydeep never casts buffers, so they keep their own dtype",
                                             ["norm"]),
     # --- checkpoint -----------------------------------------------------------------------------
-    "checkpoint.tag_validation": read("raydeep/checkpoint/checkpointer.py"),
+    "checkpoint.tag_validation": read(PARTS, "raydeep/checkpoint/checkpointer.py"),
     "checkpoint.load_universal": warn("raydeep checkpoints load on any world size and stage; convert a DeepSpeed "
                                       "checkpoint with `raydeep convert import-deepspeed`", True),
     "checkpoint.use_node_local_storage": warn("every rank writes its own files under the save directory, which "
@@ -310,7 +311,7 @@ SUPPORT: dict[str, Support] = {
     "raydeep.offload_actors_per_rank": read(TIERS),
     "raydeep.offload_actor_cpus": read(TIERS),
     "raydeep.empty_cache_every": read(BUILDER, ENGINE),
-    "raydeep.overflow_diagnosis_after": read(BUILDER, ENGINE),
+    "raydeep.overflow_diagnosis_after": read(BUILDER),
     "raydeep.metrics": read("raydeep/ray/step_metrics.py"),
     "raydeep.peak_tflops": read("raydeep/ray/step_metrics.py"),
     "raydeep.check_collective_order": read(BUILDER, "raydeep/collective_order.py"),
@@ -318,9 +319,9 @@ SUPPORT: dict[str, Support] = {
     "raydeep.seed": refuse("is not read by raydeep: nothing is seeded from it",
                            "remove it and call torch.manual_seed(N) before building the model "
                            "(`raydeep train` takes --seed N)", 42),
-    "raydeep.checkpoint_async": read(ENGINE),
-    "raydeep.checkpoint_fsync": read("raydeep/checkpoint/checkpointer.py"),
-    "raydeep.checkpoint_keep_last_k": read(ENGINE),
+    "raydeep.checkpoint_async": read(PARTS),
+    "raydeep.checkpoint_fsync": read(PARTS),
+    "raydeep.checkpoint_keep_last_k": read(PARTS),
     "raydeep.step_timeout_s": read(WATCHDOG, WORKER),
     "raydeep.min_step_timeout_s": read(WATCHDOG, WORKER),
     "raydeep.watchdog": read(WORKER, RAY_TRAINER),

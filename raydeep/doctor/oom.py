@@ -8,6 +8,7 @@ a smaller batch still works) and its traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -61,3 +62,27 @@ def diagnose_oom(cfg, model, seq: int | None, device: torch.device, phase: str) 
                      "batch), add an activation_checkpointing section, or raise the ZeRO stage.")
     lines.append("`raydeep doctor CONFIG --model ... --world-size N --gpu-memory SIZE` prints the whole table.")
     return "\n".join(lines)
+
+
+class OomDiagnosis:
+    """What the engine wraps its forward, backward and optimizer step in (the builder makes one
+    from the resolved config): an out-of-memory error there gets :func:`diagnose_oom`'s note,
+    once; its type and traceback stay."""
+
+    def __init__(self, cfg, model, device: torch.device):
+        self.cfg, self.model, self.device = cfg, model, device
+
+    @contextlib.contextmanager
+    def watch(self, phase: str, seq: int | None):
+        try:
+            yield
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err) or getattr(err, "raydeep_diagnosed", False):
+                raise
+            try:
+                note = diagnose_oom(self.cfg, self.model, seq, self.device, phase)
+            except Exception as failure:  # the diagnosis must never hide the error itself
+                note = f"raydeep: out of memory in the {phase} (no estimate: {type(failure).__name__}: {failure})"
+            err.add_note(note)
+            err.raydeep_diagnosed = True
+            raise

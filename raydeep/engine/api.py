@@ -102,8 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                               and int(os.environ.get("WORLD_SIZE", 1)) > 1):
         init_distributed(distributed_port=distributed_port)
     cfg = load_config(config, world_size=comm.world_size(), overrides=overrides)
-    engine = build_engine(model, cfg, model_parameters, optimizer, lr_scheduler, device=rank_device())
-    engine.config = cfg
+    engine = build_engine(model, cfg, model_parameters, optimizer, lr_scheduler, device=rank_device(), raw_config=config)
     if training_data is not None:
         sampler = DistributedSampler(training_data, num_replicas=comm.world_size(), rank=comm.rank())
         engine.training_dataloader = DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu,

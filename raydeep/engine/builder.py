@@ -20,29 +20,36 @@ import torch.distributed as dist
 from torch import nn
 
 from raydeep import collective_order, comm
+from raydeep.checkpoint import Checkpointer
+from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFence
 from raydeep.config import RaydeepConfig
+from raydeep.doctor.oom import OomDiagnosis
 from raydeep.errors import ConfigError
 from raydeep.engine.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
 from raydeep.monitor import build_monitors
 from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import SCHEDULER_NAMES, build_scheduler
+from raydeep.precision.diagnosis import OverflowWatch
 from raydeep.precision.loss_scaler import build_loss_scaler
 from raydeep.tier import OptimizerTier
 from raydeep.tier.select import rebuild_client_optimizer, select_tier
+from raydeep.train_state import TrainState
 from raydeep.zero import partitioned
 from raydeep.zero.flat import FlatUnit
 from raydeep.zero.layout import plan_buckets
 from raydeep.zero.stage3 import PrefetchPolicy, Stage3
-from raydeep.zero.strategy import ReduceSpec, Stage0, Stage1, Stage2
+from raydeep.zero.strategy import ReduceSpec, Stage0, Stage1, Stage2, StrategyLinks
 
 logger = logging.getLogger("raydeep")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, optimizer=None,
-                 lr_scheduler=None, device: torch.device | None = None) -> Engine:
-    """Wire an Engine for ``model`` from a resolved config (see ``raydeep.initialize``)."""
+                 lr_scheduler=None, device: torch.device | None = None, raw_config=None) -> Engine:
+    """Wire an Engine for ``model`` from a resolved config (see ``raydeep.initialize``): every
+    part is made here and handed its collaborators; ``raw_config`` is what the caller passed
+    (``engine.config``, as DeepSpeed keeps it)."""
     device = device or torch.device("cpu")
     rank, world = comm.rank(), comm.world_size()
     assert world == cfg.world_size, f"config resolved for world size {cfg.world_size}, process group has {world}"
@@ -55,8 +62,11 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.raydeep.checkpoint_modules)
     groups = _param_groups(model, model_parameters)
     units, extra = _build_units(model, groups, cfg, rank, world, dtype)
-    strategy = _build_strategy(stage, units, cfg, world, dtype, stats, extra)
     tier = _build_tier(cfg, groups, units, optimizer, stats)
+    fence = CopyFence()  # closed while an asynchronous save copies the masters
+    links = StrategyLinks(fence=fence.wait, masters_changed=tier.reload_from_params,
+                          tier_communicates=tier.communicates_gradients)
+    strategy = _build_strategy(stage, units, cfg, world, dtype, stats, extra, links)
     sched = _build_scheduler(cfg, tier, lr_scheduler)
     scaler = build_loss_scaler(cfg.fp16.model_dump() if cfg.fp16.enabled else None, stage, rank=rank)
     stats.reset()
@@ -71,8 +81,15 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         comms_logger=cfg.comms_logger is not None, wall_clock_breakdown=cfg.wall_clock_breakdown,
         empty_cache_every=cfg.raydeep.empty_cache_every,
         overflow_diagnosis_after=cfg.raydeep.overflow_diagnosis_after)
+    state = TrainState()
+    parts = CheckpointParts(module=model, units=units, tier=tier, scaler=scaler, scheduler=sched, train_state=state,
+                            publish=strategy.publish, rank=rank, world_size=world, device=device, stage=stage,
+                            precision=cfg.precision, grad_accum=cfg.gradient_accumulation_steps)
     return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world,
-                  monitors=build_monitors(cfg, rank))
+                  checkpointer=Checkpointer(parts, CheckpointSettings.from_config(cfg), fence), state=state,
+                  oom=OomDiagnosis(cfg, model, device),
+                  overflow_watch=OverflowWatch(cfg.raydeep.overflow_diagnosis_after, units),
+                  monitors=build_monitors(cfg, rank), config=raw_config)
 
 
 def _place_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype, stats, stage: int) -> None:
@@ -190,7 +207,7 @@ def _unit_owners(modules: list[nn.Module]) -> dict[nn.Parameter, int]:
     return {p: max(i for i in found if on_one_path(i, found)) for p, found in users.items()}
 
 
-def _build_strategy(stage, units, cfg, world, dtype, stats, extra):
+def _build_strategy(stage, units, cfg, world, dtype, stats, extra, links: StrategyLinks):
     comm_dtype = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else dtype
     zero = cfg.zero_optimization
     reduce = ReduceSpec(world, comm_dtype, average=cfg.gradient_allreduce_op == "mean",
@@ -199,8 +216,8 @@ def _build_strategy(stage, units, cfg, world, dtype, stats, extra):
     if stage == 3:
         module_units, persistent = extra
         policy = PrefetchPolicy(zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance)
-        return Stage3(units, reduce, stats, module_units, persistent, policy)
-    return {0: Stage0, 1: Stage1, 2: Stage2}[stage](units, reduce, stats)
+        return Stage3(units, reduce, stats, module_units, persistent, policy, links)
+    return {0: Stage0, 1: Stage1, 2: Stage2}[stage](units, reduce, stats, links)
 
 
 def _build_tier(cfg, groups, units, client_optimizer, stats) -> OptimizerTier:

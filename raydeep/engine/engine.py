@@ -22,16 +22,24 @@ import torch
 from torch import nn
 
 from raydeep import comm
-from raydeep.checkpoint import Checkpointer
 from raydeep.console_lines import CONSOLE
-from raydeep.optim.clip import clip_coefficient
-from raydeep.doctor.oom import diagnose_oom, is_out_of_memory
 from raydeep.engine.metrics import GLOBAL_TIMERS, StepMeter, timer_line
 from raydeep.monitor import step_events
+from raydeep.optim.clip import clip_coefficient
 from raydeep.precision.diagnosis import LossScaleCollapse, OverflowWatch
 from raydeep.precision.loss_scaler import MIN_SCALE_ERROR, overflow_flag
+from raydeep.train_state import TrainState
 
 logger = logging.getLogger("raydeep")
+
+
+def _no_diagnosis(phase: str, seq: int | None):
+    return contextlib.nullcontext()
+
+
+def _counter(name: str) -> property:
+    """An engine attribute that reads and writes ``engine.state.<name>``."""
+    return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value))
 
 
 @dataclass(frozen=True)
@@ -67,23 +75,27 @@ class Engine(nn.Module):
     """
 
     def __init__(self, module, strategy, tier, lr_scheduler, scaler, stats, settings: EngineSettings,
-                 device: torch.device, rank: int, world_size: int, monitors=None):
+                 device: torch.device, rank: int, world_size: int, checkpointer, state: TrainState | None = None,
+                 oom=None, overflow_watch: OverflowWatch | None = None, monitors=None, config=None):
+        """The builder (``raydeep.engine.builder``) makes every part and hands it over here; the
+        engine only drives them. ``checkpointer`` saves and loads the stateful parts
+        (``raydeep.checkpoint``); ``oom`` wraps forward, backward and the step to explain an
+        out-of-memory error (``raydeep.doctor.oom``); ``config`` is what the caller passed to
+        ``initialize``, kept as DeepSpeed keeps it, never read here."""
         super().__init__()
         self.module = module
         self.strategy, self.tier, self.lr_scheduler, self.loss_scaler = strategy, tier, lr_scheduler, scaler
         self.stats, self.settings, self.device = stats, settings, device
         self.rank, self.world_size = rank, world_size
         self.local_rank = int(device.index or 0) if device.type == "cuda" else 0
-        self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self.state = state if state is not None else TrainState()
         self.training_dataloader = None
-        self.config = None  # the resolved RaydeepConfig, set by raydeep.initialize
-        self.checkpointer = Checkpointer(self)
-        strategy.before_master_update = self.checkpointer.fence
-        strategy.params_overwritten = tier.reload_from_params
-        strategy.skip_reduction = tier.communicates_gradients
+        self.config = config
+        self.checkpointer = checkpointer
+        self._oom_watch = oom.watch if oom is not None else _no_diagnosis
         self._global_grad_norm: float | None = None
         self._step_applied = False
-        self.overflow_watch = OverflowWatch(settings.overflow_diagnosis_after)
+        self.overflow_watch = overflow_watch or OverflowWatch(settings.overflow_diagnosis_after)
         self._seq: int | None = None  # the last forward's sequence length
         self.monitors = monitors  # rank 0's tensorboard / csv_monitor, or None
         self.meter = StepMeter(stats, device, settings.wall_clock_breakdown,
@@ -99,27 +111,16 @@ class Engine(nn.Module):
         if inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() >= 2:
             self._seq = inputs[0].shape[1]  # (batch, seq, ...): what an out-of-memory diagnosis sizes
         began = self.meter.begin()
-        with self._memory_diagnosis("forward"):
+        with self._oom_watch("forward", self._seq):
             out = self.module(*inputs, **kwargs)
         self.meter.forward_done(began)
         return out
 
-    @contextlib.contextmanager
-    def _memory_diagnosis(self, phase: str):
-        """Out of memory here gets the doctor's estimate and the knob to turn, as a note on the
-        same exception (its type and traceback stay: see raydeep.doctor.oom)."""
-        try:
-            yield
-        except (RuntimeError, MemoryError) as err:
-            if self.config is None or not is_out_of_memory(err) or getattr(err, "raydeep_diagnosed", False):
-                raise
-            try:
-                note = diagnose_oom(self.config, self.module, self._seq, self.device, phase)
-            except Exception as failure:  # the diagnosis must never hide the error itself
-                note = f"raydeep: out of memory in the {phase} (no estimate: {type(failure).__name__}: {failure})"
-            err.add_note(note)
-            err.raydeep_diagnosed = True
-            raise
+    # DeepSpeed's counters, kept in the TrainState that checkpoints save.
+    micro_steps = _counter("micro_steps")
+    global_steps = _counter("global_steps")
+    global_samples = _counter("global_samples")
+    skipped_steps = _counter("skipped_steps")
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Divide by GAS, apply the loss scale, backpropagate, reduce gradients; returns loss / GAS."""
@@ -130,7 +131,7 @@ class Engine(nn.Module):
             loss = loss / self.settings.grad_accum
         boundary = self.is_gradient_accumulation_boundary()
         scaled = loss * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else loss
-        with self._memory_diagnosis("backward"):
+        with self._oom_watch("backward", self._seq):
             self.strategy.begin_backward(boundary)
             scaled.backward(retain_graph=retain_graph)
             self.strategy.end_backward(boundary)
@@ -145,7 +146,7 @@ class Engine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         start = self.meter.now()
         if boundary:
-            with self._memory_diagnosis("optimizer step"):
+            with self._oom_watch("optimizer step", self._seq):
                 self._take_model_step(lr_kwargs)
             self.meter.optimizer_s = self.meter.now() - start
         self.meter.step_done(start)
@@ -174,18 +175,18 @@ class Engine(nn.Module):
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
         self.checkpointer.fence()  # an asynchronous save copies the states before they change
         scale = self._step_scale = self.loss_scaler.loss_scale
-        # In a compressed stage each rank holds its own gradients: the decisions below must still
-        # be the same on every rank (a rank that skips would leave the others waiting in the
-        # optimizer's all-reduce), so they are taken from one all-reduced number.
-        own_grads = self.tier.communicates_gradients()
+        # The decisions below must be the same on every rank (a rank that skips would leave the
+        # others waiting in the optimizer's collectives), so they are taken from one number
+        # combined as the strategy says (``norm_reduction``), even where each rank holds its own
+        # gradients (a compressed stage).
         if self.settings.compute_grad_norm:
-            total_norm = self._global_norm(own_grads)
+            total_norm = self._global_norm()
             overflow = self.settings.skip_nonfinite and not math.isfinite(total_norm)
         else:  # no norm to read the overflow from: scan the gradients, as DeepSpeed does
             total_norm = None
-            overflow = self.settings.skip_nonfinite and self._any_rank_overflowed(own_grads)
+            overflow = self.settings.skip_nonfinite and self._any_rank_overflowed()
         if self.settings.precision == "fp16":
-            self.overflow_watch.observe(self.global_steps + 1, overflow, scale, self.strategy.units)
+            self.overflow_watch.observe(self.global_steps + 1, overflow, scale)
         # The scaler first, as in DeepSpeed: at the minimum scale it raises before any counter moves.
         try:
             self.loss_scaler.update_scale(overflow)
@@ -200,7 +201,7 @@ class Engine(nn.Module):
         else:
             combined = clip_coefficient(total_norm or 0.0, scale, self.settings.gradient_clipping)
             self._global_grad_norm = None if total_norm is None else total_norm / scale
-            self.tier.step([unit.grad for unit in self.strategy.units], 1.0 / combined)
+            self.tier.step(self.strategy.grad_shards(), 1.0 / combined)
             self.strategy.publish()
             self._step_applied = True
         if not overflow and self.lr_scheduler is not None:
@@ -213,25 +214,23 @@ class Engine(nn.Module):
         self.global_samples += self.settings.train_batch_size
         self._report_progress()
 
-    def _any_rank_overflowed(self, own_grads: bool = False) -> bool:
-        flag = overflow_flag([unit.grad for unit in self.strategy.units])
+    def _any_rank_overflowed(self) -> bool:
+        flag = overflow_flag(self.strategy.grad_shards())
         if flag is None:
             return False
-        if self.strategy.sharded_grads or own_grads:
+        if self.strategy.norm_reduction() is not None:  # shards, or each rank's own gradients
             return comm.all_reduce_value(flag.to(torch.float64), "max", self.stats, owner="overflow flag") > 0
         return bool(flag)
 
-    def _global_norm(self, own_grads: bool = False) -> float:
-        """The gradient norm every rank clips with. With each rank's own gradients (a compressed
-        stage) it is the largest rank's norm: DeepSpeed clipped each rank by its own, which can
-        differ; the largest keeps every rank within the clip and the ranks in agreement."""
+    def _global_norm(self) -> float:
+        """The gradient norm every rank clips with, combined as the strategy's ``norm_reduction``
+        says (a sum of shards' squares, the largest rank's, or this rank's own)."""
         sq = self.strategy.grad_sq_norm()  # on the device; read once, below
-        if self.strategy.sharded_grads:
-            total = comm.all_reduce_value(sq, "sum", self.stats, owner="gradient norm")
-        elif own_grads:  # non-finite as +inf: a NaN may lose a MAX comparison
-            total = comm.all_reduce_value(torch.where(sq.isfinite(), sq, math.inf), "max", self.stats, owner="gradient norm")
-        else:
-            total = float(sq)
+        reduction = self.strategy.norm_reduction()
+        if reduction == "max":  # non-finite as +inf: a NaN may lose a MAX comparison
+            sq = torch.where(sq.isfinite(), sq, math.inf)
+        total = float(sq) if reduction is None else comm.all_reduce_value(sq, reduction, self.stats,
+                                                                           owner="gradient norm")
         return math.sqrt(total) if math.isfinite(total) else float("nan")
 
     def train_batch(self, data_iter) -> torch.Tensor:
@@ -268,11 +267,6 @@ class Engine(nn.Module):
         """
         if exclude_frozen_parameters:
             logger.warning("exclude_frozen_parameters is ignored: frozen parameters are small and always saved")
-        options = self.config.raydeep if self.config is not None else None
-        if async_save is None:
-            async_save = bool(options and options.checkpoint_async)
-        if keep_last_k is None and options is not None:
-            keep_last_k = options.checkpoint_keep_last_k
         return self.checkpointer.save(save_dir, tag, client_state, save_latest, async_save, keep_last_k)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,

@@ -57,16 +57,17 @@ def _everyone(names: list[str]) -> list[tuple[str, list[int]]]:
 
 
 class OverflowWatch:
-    """Consecutive overflow skips, the recent loss scales, and where the run of skips began."""
+    """Consecutive overflow skips, the recent loss scales, and where the run of skips began
+    (the first parameters of ``units`` whose gradients were not finite)."""
 
-    def __init__(self, after: int, history: int = 16):
-        self.after = after
+    def __init__(self, after: int, units=(), history: int = 16):
+        self.after, self.units = after, units
         self.run, self.run_began = 0, 0
         self.scales: deque[float] = deque(maxlen=history)
         self.first: list[tuple[str, list[int]]] = []
         self._told = False
 
-    def observe(self, step: int, overflow: bool, scale: float, units) -> None:
+    def observe(self, step: int, overflow: bool, scale: float) -> None:
         """After each optimizer step's overflow decision (``scale``: the scale it ran with)."""
         self.scales.append(scale)
         if not overflow:
@@ -74,7 +75,7 @@ class OverflowWatch:
             return
         self.run += 1
         if self.run == 1:
-            self.run_began, self.first = step, _everyone(nonfinite_parameters(units))
+            self.run_began, self.first = step, _everyone(nonfinite_parameters(self.units))
         if self.after and self.run >= self.after and not self._told:
             self._told = True
             logger.warning("%s", self.describe())

@@ -3,7 +3,9 @@
 Every ZeRO stage is built from FlatUnits; stages differ only in what each unit keeps resident:
 
 - ``full``:   the whole flat buffer in the model dtype; every parameter's ``.data`` is a view into it.
-              Stage 3 frees its storage between uses (the views survive and refill on gather).
+              Stage 3 frees its storage between uses (the views survive and refill on gather):
+              ``state`` says which (:class:`ShardState`), and ``unshard``/``wait``/``reshard``
+              move between the states, each idempotent.
 - ``local``:  this rank's shard of the parameters. A view into ``full`` for stages 0-2; separate
               storage for stage 3, because ``full`` is freed.
 - ``grad``:   this rank's gradient shard (``grad_accum_dtype``), which clipping and the optimizer read.
@@ -17,11 +19,23 @@ its own, frees ``full`` at once, so building all units never holds more than one
 """
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
 
+from raydeep import comm
 from raydeep.zero import partitioned
 from raydeep.zero.layout import UnitLayout
+
+
+class ShardState(enum.Enum):
+    """Where a unit's parameters are: only this rank's shard (``full`` has no storage), on their
+    way (an all-gather into ``full`` in flight), or whole in ``full``."""
+
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
 
 
 class FlatUnit:
@@ -51,10 +65,10 @@ class FlatUnit:
         else:
             self.local = self.full[lo:hi].clone() if separate_local else self.full[lo:hi]
         self.grad = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
-        self.gathered = True
-        self.pending = None  # an in-flight all-gather (stage-3 prefetch)
+        self.state = ShardState.UNSHARDED
+        self._gathering: comm.Pending | None = None  # the all-gather while UNSHARDING
         if from_partitions and separate_local:
-            self.free_full()
+            self.reshard()
 
     def _view(self, slot) -> torch.Tensor:
         return self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -68,14 +82,32 @@ class FlatUnit:
         return self.full.dtype
 
     # --- parameter storage (stage 3) -----------------------------------------------------------
-    def free_full(self) -> None:
-        """Drop the gathered parameters; the per-parameter views stay valid for the next gather."""
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
+    def unshard(self, stats: comm.CommStats | None = None, async_op: bool = False) -> None:
+        """Gather the whole unit into ``full``: start the all-gather when SHARDED (and wait for it
+        unless ``async_op``); when UNSHARDING, wait unless ``async_op``; when UNSHARDED, nothing."""
+        if self.state is ShardState.SHARDED:
+            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+            # offload_param: the partition comes from pinned host memory first (DeepSpeed's ZeRO-3 Offload).
+            self._gathering = comm.all_gather(self.full, self.local_on_device(), stats, async_op=async_op,
+                                              owner=self.name)
+            self.state = ShardState.UNSHARDING
+        if not async_op:
+            self.wait()
 
-    def alloc_full(self) -> None:
-        """Re-allocate storage for the gathered parameters (contents undefined until gathered)."""
-        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+    def wait(self) -> None:
+        """Finish an all-gather in flight (UNSHARDING -> UNSHARDED); otherwise nothing."""
+        if self.state is ShardState.UNSHARDING:
+            self._gathering.wait()
+            self._gathering, self.state = None, ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Drop the gathered parameters (UNSHARDED -> SHARDED; the per-parameter views stay valid
+        for the next gather); SHARDED stays so. Freeing under an all-gather in flight would be a
+        use-after-free, so UNSHARDING is refused: wait for it first."""
+        assert self.state is not ShardState.UNSHARDING, f"{self.name}: reshard while its all-gather is in flight"
+        if self.state is ShardState.UNSHARDED:
+            self.full.untyped_storage().resize_(0)
+            self.state = ShardState.SHARDED
 
     # --- gradients ------------------------------------------------------------------------------
     def flat_grads(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

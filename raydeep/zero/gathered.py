@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from raydeep.zero import owners
+
 
 class GatheredParameters:
     """Gather partitioned parameters on enter; on exit, if ``modifier_rank`` is set, broadcast
@@ -16,7 +18,7 @@ class GatheredParameters:
     def __init__(self, params, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
                  enabled: bool = True):
         params = [params] if isinstance(params, nn.Parameter) else list(params)
-        strategy = next((p._raydeep_stage3 for p in params if hasattr(p, "_raydeep_stage3")), None)
+        strategy = next((owner for owner in map(owners.owner_of, params) if owner is not None), None)
         self.ctx = strategy.gathered(params) if enabled and strategy is not None else None
         self.modifier_rank = modifier_rank
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from raydeep import comm
+from raydeep.zero import owners
 
 _ids = itertools.count()
 # Placeholder storage address -> parameter: lets an alias such as ``param.data`` (a new tensor
@@ -111,7 +112,7 @@ def partition(p: nn.Parameter, dtype: torch.dtype | None = None, shard_device=No
     p.ds_id = next(_ids)
     p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
     p.ds_tensor = shard
-    p._raydeep_stage3 = PARTITIONS  # lets zero.GatheredParameters find who can gather it
+    owners.register([p], PARTITIONS)  # lets zero.GatheredParameters find who can gather it
     _set_placeholder(p, placeholder(p.shape, data.dtype, p.data.device))
 
 
@@ -180,8 +181,7 @@ def release(p: nn.Parameter) -> None:
     for name in _ATTRS:
         if hasattr(p, name):
             delattr(p, name)
-    if getattr(p, "_raydeep_stage3", None) is PARTITIONS:
-        del p._raydeep_stage3
+    owners.forget(p, PARTITIONS)
 
 
 def fill_unit(full: torch.Tensor, slots, params: list[nn.Parameter]) -> bool:

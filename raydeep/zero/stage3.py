@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from raydeep import comm
-from raydeep.zero.flat import FlatUnit
-from raydeep.zero.strategy import Stage2, _gather_all
+from raydeep.zero import owners
+from raydeep.zero.flat import FlatUnit, ShardState
+from raydeep.zero.strategy import Stage2, StrategyLinks, _gather_all
 
 logger = logging.getLogger("raydeep")
 
@@ -42,14 +43,13 @@ class Stage3(Stage2):
     stage = 3
 
     def __init__(self, units: list[FlatUnit], reduce, stats, module_units: list[tuple[nn.Module, list[int]]],
-                 persistent: set[int], policy: PrefetchPolicy):
-        super().__init__(units, reduce, stats)
+                 persistent: set[int], policy: PrefetchPolicy, links: StrategyLinks = StrategyLinks()):
+        super().__init__(units, reduce, stats, links)
         self.module_units, self.persistent, self.policy = module_units, persistent, policy
         for i, unit in enumerate(units):
-            for p in unit.params:
-                p._raydeep_stage3 = self  # lets zero.GatheredParameters find the owner
+            owners.register(unit.params, self)  # lets zero.GatheredParameters find the owner
             if i not in persistent:
-                unit.free_full()
+                unit.reshard()
         self.trace: list[int] = []
         self.trace_complete = False
         self.position = 0
@@ -94,23 +94,11 @@ class Stage3(Stage2):
         if self.trace_complete and self._reuse_distance(m) <= self.policy.max_reuse_distance:
             return
         for i in self.module_units[m][1]:
-            if i not in self.persistent and self.units[i].gathered:
-                self.units[i].free_full()
+            if i not in self.persistent:
+                self.units[i].reshard()
 
     def _gather(self, i: int, async_op: bool) -> None:
-        unit = self.units[i]
-        if unit.pending is not None:
-            if not async_op:
-                unit.pending.wait()
-                unit.pending = None
-            return
-        if unit.gathered:
-            return
-        unit.alloc_full()
-        unit.gathered = True
-        # offload_param: the partition comes from pinned host memory first (DeepSpeed's ZeRO-3 Offload).
-        pending = comm.all_gather(unit.full, unit.local_on_device(), self.stats, async_op=async_op, owner=unit.name)
-        unit.pending = pending if async_op else None
+        self.units[i].unshard(self.stats, async_op)
 
     def _follow_trace(self, m: int) -> None:
         if not self.trace_complete:
@@ -126,14 +114,15 @@ class Stage3(Stage2):
         self.position += 1
 
     def _live_numel(self) -> int:
-        return sum(u.numel for i, u in enumerate(self.units) if u.gathered and i not in self.persistent)
+        return sum(u.numel for i, u in enumerate(self.units)
+                   if u.state is not ShardState.SHARDED and i not in self.persistent)
 
     def _prefetch(self) -> None:
         budget = min(self.policy.prefetch_bucket_size, self.policy.max_live_parameters - self._live_numel())
         for m in self.trace[self.position:]:
             for i in self.module_units[m][1]:
                 unit = self.units[i]
-                if unit.gathered or i in self.persistent:
+                if unit.state is not ShardState.SHARDED or i in self.persistent:
                     continue
                 if unit.numel > budget:
                     return
@@ -151,9 +140,7 @@ class Stage3(Stage2):
 
     def _wait_all_prefetches(self) -> None:
         for unit in self.units:
-            if unit.pending is not None:
-                unit.pending.wait()
-                unit.pending = None
+            unit.wait()
 
     # --- the strategy interface ------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
@@ -173,14 +160,14 @@ class Stage3(Stage2):
     def _launch(self, i: int):
         unit = self.units[i]
         result = super()._launch(i)
-        if i not in self.persistent and unit.gathered and unit.pending is None:
-            unit.free_full()  # its backward is done: every gradient of the unit has arrived
+        if i not in self.persistent and unit.state is ShardState.UNSHARDED:
+            unit.reshard()  # its backward is done: every gradient of the unit has arrived
         return result
 
     def release_all(self) -> None:
         for i, unit in enumerate(self.units):
-            if i not in self.persistent and unit.gathered and unit.pending is None:
-                unit.free_full()
+            if i not in self.persistent and unit.state is ShardState.UNSHARDED:
+                unit.reshard()  # a prefetch still in flight is left to finish
 
     def publish(self) -> None:
         # Non-persistent units are gathered when their module next runs.
@@ -203,18 +190,18 @@ class _Gathered:
 
     def write_back(self, src_rank: int) -> None:
         """After a modification on ``src_rank``, broadcast it and keep each rank's shard."""
-        self.strategy.before_master_update()
+        self.strategy.links.fence()  # an asynchronous save may still be copying the masters
         for i in self.indices:
             unit = self.strategy.units[i]
             comm.broadcast(unit.full, src_rank, self.strategy.stats, owner=unit.name)
             lo, hi = unit.layout.shard_range(unit.rank)
             unit.local.copy_(unit.full[lo:hi])
-        self.strategy.params_overwritten(self.indices)
+        self.strategy.links.masters_changed(self.indices)
 
     def __exit__(self, *exc):
         for i in self.indices:
             if i not in self.strategy.persistent:
-                self.strategy.units[i].free_full()
+                self.strategy.units[i].reshard()
 
 
 def _tensors(output):

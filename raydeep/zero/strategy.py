@@ -1,8 +1,10 @@
 """ZeRO stages 0-2: one strategy class per stage behind one small interface.
 
 The engine calls, per micro-step: ``begin_backward(boundary)``, autograd, ``end_backward(boundary)``;
-at the boundary: ``grad_sq_norm()``, the optimizer tier's step (which reads each ``unit.grad``
-and writes each ``unit.local``), ``publish()``, ``zero_grad()``. Gradients are reduced unit by
+at the boundary: ``grad_sq_norm()`` and ``norm_reduction()`` (how the ranks combine it), the
+optimizer tier's step on ``grad_shards()`` (which writes each ``unit.local``), ``publish()``,
+``zero_grad()``. What a strategy asks of the parts around it -- the optimizer tier, the
+checkpointer -- it is given at construction (:class:`StrategyLinks`). Gradients are reduced unit by
 unit: a unit is a bucket of parameters (stages 0-2, sized by ``reduce_bucket_size``) or a module
 (stage 3, ``stage3.py``).
 
@@ -13,6 +15,7 @@ finish in backward is flushed in unit order by ``end_backward``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -44,6 +47,29 @@ class ReduceSpec:
         return self.predivide / self.world_size
 
 
+def _never() -> bool:
+    return False
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class StrategyLinks:
+    """What a strategy asks of the parts around it; the builder wires them at construction."""
+
+    #: Before anything writes the masters outside the optimizer step: an asynchronous save may
+    #: still be copying them (the checkpointer's copy fence).
+    fence: Callable[[], None] = _nothing
+    #: The unit indices whose parameters were overwritten outside the step: the optimizer tier
+    #: re-reads its masters from them.
+    masters_changed: Callable[[list[int]], None] = _nothing
+    #: Asked before each backward and at the norm: True when the optimizer tier communicates the
+    #: gradients itself this step (compressed communication), so the strategy leaves each rank its own.
+    tier_communicates: Callable[[], bool] = _never
+
+
 class ZeroStrategy:
     """Shared machinery: per-unit gradient-ready counting and pending reductions."""
 
@@ -51,22 +77,14 @@ class ZeroStrategy:
     #: True when each rank holds only a shard of the gradients, so the norm needs a SUM all-reduce.
     sharded_grads = True
 
-    def __init__(self, units: list[FlatUnit], reduce: ReduceSpec, stats: comm.CommStats):
-        self.units, self.reduce, self.stats = units, reduce, stats
+    def __init__(self, units: list[FlatUnit], reduce: ReduceSpec, stats: comm.CommStats,
+                 links: StrategyLinks = StrategyLinks()):
+        self.units, self.reduce, self.stats, self.links = units, reduce, stats, links
         self._ready: dict[int, int] = {}
         self._reduced: set[int] = set()
         self._pending: list[tuple[comm.Pending, callable]] = []
         self._hooks_live = False
         self._flushing = False
-        # Called before anything writes the masters outside ``engine.step`` (the engine points it at
-        # its checkpointer, whose background save may still be copying them).
-        self.before_master_update = lambda: None
-        # Called with the unit indices whose parameters were overwritten outside the step, so the
-        # optimizer tier re-reads its masters from them (the engine points it at the tier).
-        self.params_overwritten = lambda indices: None
-        # Asked before each backward: True when the optimizer tier averages the gradients itself
-        # this step (compressed communication), so stage 0 leaves each rank its own.
-        self.skip_reduction = lambda: False
         self._unit_of = {}
         # Gradients a unit waits for before it is reduced (computed once: the hooks are a hot path).
         self._expected = [sum(1 for p in unit.params if p.requires_grad) for unit in units]
@@ -98,10 +116,24 @@ class ZeroStrategy:
             finish()
         self._pending.clear()
 
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's gradient shard of each unit, in unit order: what the optimizer tier updates from."""
+        return [unit.grad for unit in self.units]
+
     def grad_sq_norm(self) -> torch.Tensor:
         """Sum of squares of this rank's owned gradients: a float64 scalar tensor on their device
         (the engine reduces it there and reads it once per step)."""
-        return sum_of_squares([unit.grad for unit in self.units])
+        return sum_of_squares(self.grad_shards())
+
+    def norm_reduction(self) -> str | None:
+        """How the ranks combine ``grad_sq_norm`` into the norm every rank clips with: ``"sum"``
+        over gradient shards; ``"max"`` where each rank holds its own, not-yet-averaged gradients
+        (the tier communicates them this step: DeepSpeed clipped each rank by its own norm, which
+        can differ, and the largest keeps every rank within the clip and the ranks in agreement);
+        None where every rank holds the same reduced gradients."""
+        if self.sharded_grads:
+            return "sum"
+        return "max" if self.links.tier_communicates() else None
 
     def publish(self) -> None:
         """Make the updated shards (each ``unit.local``) visible as full parameters. At stage 0
@@ -167,12 +199,12 @@ class Stage0(ZeroStrategy):
     stage = 0
     sharded_grads = False
 
-    def __init__(self, units, reduce, stats):
-        super().__init__(units, reduce, stats)
+    def __init__(self, units, reduce, stats, links: StrategyLinks = StrategyLinks()):
+        super().__init__(units, reduce, stats, links)
         _attach_grad_views(units, [u.grad for u in units])
 
     def _reduce_this_micro_step(self, boundary: bool) -> bool:
-        return boundary and not self.skip_reduction()
+        return boundary and not self.links.tier_communicates()
 
     def begin_backward(self, boundary: bool) -> None:
         _attach_grad_views(self.units, [u.grad for u in self.units])
@@ -197,8 +229,8 @@ class Stage1(ZeroStrategy):
 
     stage = 1
 
-    def __init__(self, units, reduce, stats):
-        super().__init__(units, reduce, stats)
+    def __init__(self, units, reduce, stats, links: StrategyLinks = StrategyLinks()):
+        super().__init__(units, reduce, stats, links)
         self.full_grads = [torch.zeros_like(u.full) for u in units]
         _attach_grad_views(units, self.full_grads)
         for unit, full in zip(units, self.full_grads):
@@ -248,8 +280,8 @@ class Stage2(ZeroStrategy):
     stage = 2
     BUFFERS = 2
 
-    def __init__(self, units, reduce, stats):
-        super().__init__(units, reduce, stats)
+    def __init__(self, units, reduce, stats, links: StrategyLinks = StrategyLinks()):
+        super().__init__(units, reduce, stats, links)
         self._spare: list[torch.Tensor] = []
         self._buffers = 0
 
