@@ -21,19 +21,18 @@ import tempfile
 import time
 
 import torch
-import torch.multiprocessing as tmp_mp
+
+from raydeep.bench.ranks import on_gloo_ranks
 
 MODES = ("none", "async", "sync")
 BLOCK = 5  # steps per mode in a row
 
 
-def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _train(args: argparse.Namespace, out_dir: str) -> dict:
     import raydeep
     from raydeep.models import build_gpt
 
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
+    rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = build_gpt(args.model)
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_clipping": 1.0,
@@ -62,23 +61,13 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
             if round_:
                 blocks[mode].append(block)
     engine.destroy()
-    if rank == 0:
-        with open(os.path.join(out_dir, "times.json"), "w") as f:
-            json.dump(blocks, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    return blocks
 
 
 def measure(args: argparse.Namespace) -> dict:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
     with tempfile.TemporaryDirectory() as out_dir:
-        tmp_mp.spawn(_train, args=(args.world, port, args, out_dir), nprocs=args.world, join=True)
-        with open(os.path.join(out_dir, "times.json")) as f:
-            times = json.load(f)
+        times = on_gloo_ranks(args.world, _train, (args, out_dir), threads=threads)[0]
     return summarise(times) | {"steps": args.steps, "world": args.world, "model": args.model, "stage": args.stage}
 
 

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
-import socket
 import statistics
 import time
-import traceback
 
 import torch
+
+from raydeep.bench.ranks import on_gloo_ranks
 
 ENGINES = {
     "Adam": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
@@ -95,36 +93,8 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = measure(args)
-        dist.destroy_process_group()
-        queue.put((rank, result, None))
-    except BaseException:  # report instead of hanging the parent
-        queue.put((rank, None, traceback.format_exc()))
-
-
 def run(args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
-    errors = [e for _, _, e in results if e]
-    if errors:
-        raise RuntimeError(errors[0])
-    return summarize(args, next(r for rank, r, _ in results if rank == 0))
+    return summarize(args, on_gloo_ranks(args.world, measure, (args,))[0])
 
 
 def main(argv=None) -> dict:

@@ -1,4 +1,4 @@
-"""gloo's reduce-scatter and all-gather against raydeep's direct exchanges (``raydeep.exchange``)
+"""gloo's reduce-scatter and all-gather against raydeep's direct exchanges (``raydeep.comm.exchange``)
 and gloo's all-reduce of the same tensor, interleaved in one run:
 
     python -m benchmarks.gloo_collectives --world 2 --sizes 250000,1000000,5300000
@@ -17,7 +17,7 @@ def _measure(sizes: list[int], reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from raydeep import exchange
+    from raydeep.comm import exchange
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     world = dist.get_world_size()

@@ -28,13 +28,11 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
 
-import torch
-import torch.multiprocessing as tmp_mp
+from raydeep.bench.ranks import on_gloo_ranks
 
 MODES = ("off", "on")
 
@@ -70,17 +68,14 @@ class PlainSession:
         pass
 
 
-def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _train(args: argparse.Namespace, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from raydeep.ray.batch_plan import plan_batches
     from raydeep.ray.loop import run_training
     from raydeep.ray.spec import DEFAULT_DS_CONFIG, TrainSpec
 
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    world = dist.get_world_size()
     spent = _time_the_metrics_calls()
     intervals: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     in_metrics: list[float] = []  # seconds per step inside the metrics' calls, per run with them on
@@ -99,13 +94,7 @@ def _train(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: 
             intervals[mode].append([b - a for a, b in zip(starts, starts[1:])][args.warmup:])
             if mode == "on":
                 in_metrics.append(spent[0] / len(starts))
-    if rank == 0:
-        with open(os.path.join(out_dir, "times.json"), "w") as f:
-            json.dump({"intervals": intervals, "in_metrics_s": in_metrics}, f)
-    # Both ranks leave together: a gloo group torn down while its peer still sends aborts the
-    # process ("terminate called without an active exception").
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"intervals": intervals, "in_metrics_s": in_metrics}
 
 
 def _time_the_metrics_calls() -> list[float]:
@@ -129,13 +118,8 @@ def _time_the_metrics_calls() -> list[float]:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        tmp_mp.spawn(_train, args=(args.world, port, args, out_dir), nprocs=args.world, join=True)
-        with open(os.path.join(out_dir, "times.json")) as f:
-            times = json.load(f)
+        times = on_gloo_ranks(args.world, _train, (args, out_dir), threads=args.threads)[0]
     setup = {"world": args.world, "model": args.model, "reps": args.reps, "steps": args.steps,
              "warmup": args.warmup, "threads": args.threads}
     return summarise(times["intervals"], times["in_metrics_s"]) | setup

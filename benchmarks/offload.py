@@ -26,6 +26,7 @@ import time
 import torch
 from torch import nn
 
+from raydeep.bench.ranks import on_gloo_ranks
 
 class NoUpdate(torch.optim.Optimizer):
     """An optimizer that changes nothing: what is left of an offloaded step is the transfer."""
@@ -125,16 +126,14 @@ def actor_pipeline(numel: int, sub_group_size: int, reps: int) -> dict:
 TIERS = {"on the rank": None, "host memory": "host", "offload actors": "actors"}
 
 
-def _rank(rank: int, world: int, port: int, address: str, steps: int, queue) -> None:
+def _rank(address: str, steps: int) -> dict:
     import ray
     import torch.distributed as dist
 
     import raydeep
     from raydeep.models import build_gpt
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank = dist.get_rank()
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     engines = {}
     for name, target in TIERS.items():
@@ -162,27 +161,12 @@ def _rank(rank: int, world: int, port: int, address: str, steps: int, queue) -> 
             times[name].append(took.item())
     for engine in engines.values():
         engine.destroy()
-    if rank == 0:
-        queue.put(times)
     ray.shutdown()
-    dist.destroy_process_group()
+    return times
 
 
 def gpt_offload_cost(steps: int, address: str) -> dict:
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, address, steps, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    times = queue.get(timeout=900)
-    for p in procs:
-        p.join(timeout=120)
+    times = on_gloo_ranks(2, _rank, (address, steps), timeout=900)[0]  # every rank's are the max over ranks
     medians = {name: _median(ts[2:]) for name, ts in times.items()}  # the first steps warm up
     base = medians["on the rank"]
     return {"median_step_s": medians, "vs_on_the_rank": {n: m / base for n, m in medians.items()}}

@@ -84,7 +84,7 @@ def read_metrics(run_uri: str) -> pa.Table:
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    from raydeep.checkpoint.storage import Storage
+    from raydeep.storage import Storage
 
     storage = Storage.open(run_uri)
     tables = []

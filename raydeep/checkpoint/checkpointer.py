@@ -21,7 +21,7 @@ from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint import restore, snapshot
 from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFence
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.checkpoint.writer import TagWriter, committed_tags, new_manifest
 from raydeep.errors import CheckpointError, CorruptCheckpointError
 

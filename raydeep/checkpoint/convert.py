@@ -21,7 +21,7 @@ import sys
 
 from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.reader import CheckpointReader
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.checkpoint.writer import TagWriter
 from raydeep.errors import RaydeepError
 from raydeep.zero.layout import UnitLayout

@@ -28,7 +28,7 @@ from raydeep.checkpoint import format as fmt
 from raydeep.checkpoint.reader import CheckpointReader
 from raydeep.checkpoint.restore import copy_unpartitioned
 from raydeep.checkpoint.snapshot import held_range, pieces_in
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.errors import CheckpointError
 from raydeep.tier import TierState, UnitRange
 

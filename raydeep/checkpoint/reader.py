@@ -17,7 +17,7 @@ import json
 import torch
 
 from raydeep.checkpoint import format as fmt
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.errors import CheckpointError, CorruptCheckpointError
 
 

@@ -18,7 +18,7 @@ import logging
 import torch
 
 from raydeep.checkpoint import format as fmt
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 
 logger = logging.getLogger("raydeep")
 

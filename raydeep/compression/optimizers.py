@@ -1,7 +1,7 @@
 """1-bit Adam and 0/1 Adam as torch optimizers, with DeepSpeed's parameters and update rules.
 
 They differ from a torch optimizer in one way: on some steps their ``step()`` communicates. The
-optimizer tier (``raydeep.compression.tier``) asks ``communicates_gradients()`` before each
+optimizer tier (``raydeep.tier.compressed``) asks ``communicates_gradients()`` before each
 backward; when it is True the stage-0 strategy leaves the gradients un-reduced (each rank's own)
 and the optimizer averages what it needs itself, compressed. It never touches the engine.
 

@@ -75,7 +75,7 @@ class ActivationCheckpointingConfig(Section):
     """``activation_checkpointing``. Its presence turns the feature on, as in DeepSpeed: the model's
     own ``deepspeed.checkpointing.checkpoint`` calls always work, and with the section present the
     engine also wraps the modules chosen by ``raydeep.checkpoint_modules``
-    (``raydeep.engine.activation``). The options below are DeepSpeed's; raydeep warns for the enabled
+    (``raydeep.activation.wrap``). The options below are DeepSpeed's; raydeep warns for the enabled
     ones it does not implement (tensor-parallel partitioning, CPU copies, contiguous buffers,
     device synchronisation, profiling)."""
 
@@ -271,7 +271,7 @@ class RaydeepSection(Section):
     overflow_diagnosis_after: int = Field(5, ge=0)
     # Check before every collective that all ranks issue the same op with the same shape and dtype,
     # so a divergent rank fails in seconds naming the op, its call site and its unit instead of
-    # hanging until the process group times out (raydeep.collective_order; also
+    # hanging until the process group times out (raydeep.comm.order; also
     # RAYDEEP_CHECK_COLLECTIVES=1). One small gloo all-gather per collective: for debugging.
     # Write one row of metrics per optimizer step (rank 0) to <run>/metrics/ as Parquet in
     # `raydeep train` runs (raydeep.metrics); cheap enough to leave on.

@@ -81,7 +81,7 @@ _AUTOTUNE = ("the autotuning section is not read: `raydeep autotune CONFIG --mod
              "DeepSpeed's search (stage, micro batch, buckets, checkpointing, offload) as Ray Tune trials")
 _FLOPS = "the FLOPs profiler is not implemented in raydeep"
 _FLOPS_FIX = "remove the flops_profiler section; `raydeep train` reports MFU from the model's FLOPs per token"
-COMMS = ("raydeep/comm.py", "raydeep/comms_logging.py")
+COMMS = ("raydeep/comm/__init__.py", "raydeep/comm/comms_logging.py")
 _ZERO_PP = "remove zero_optimization.{key}"
 _UNITS = "raydeep gathers stage-3 parameters per partition unit; choose the units with raydeep.partition_units"
 _STAGE3 = {"zero_optimization.stage": 3}
@@ -305,7 +305,7 @@ SUPPORT: dict[str, Support] = {
         "model_info": {"num_params": 10}, "model_info_path": "info.json"}.items()},
     # --- raydeep's own section ------------------------------------------------------------------
     "raydeep.partition_units": read(BUILDER),
-    "raydeep.checkpoint_modules": read(BUILDER, "raydeep/engine/activation.py"),
+    "raydeep.checkpoint_modules": read(BUILDER, "raydeep/activation/wrap.py"),
     "raydeep.offload_target": read(TIERS),
     "raydeep.offload_resource": read(TIERS),
     "raydeep.offload_actors_per_rank": read(TIERS),
@@ -314,8 +314,8 @@ SUPPORT: dict[str, Support] = {
     "raydeep.overflow_diagnosis_after": read(BUILDER),
     "raydeep.metrics": read("raydeep/ray/step_metrics.py"),
     "raydeep.peak_tflops": read("raydeep/ray/step_metrics.py"),
-    "raydeep.check_collective_order": read(BUILDER, "raydeep/collective_order.py"),
-    "raydeep.collective_order_timeout_s": read(BUILDER, "raydeep/collective_order.py"),
+    "raydeep.check_collective_order": read(BUILDER, "raydeep/comm/order.py"),
+    "raydeep.collective_order_timeout_s": read(BUILDER, "raydeep/comm/order.py"),
     "raydeep.seed": refuse("is not read by raydeep: nothing is seeded from it",
                            "remove it and call torch.manual_seed(N) before building the model "
                            "(`raydeep train` takes --seed N)", 42),

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from raydeep.config.model import RaydeepConfig
 from raydeep.doctor.shape import ModelShape
+from raydeep.doctor.stage3 import kept_between_passes, persistent_params
 from raydeep.estimate import GB, PRECISION_BYTES, estimate_model_states
 
 __all__ = ["FRAGMENTATION", "CHECKPOINTING", "MemoryPlan", "MemoryRow", "activation_bytes", "plan_memory"]
@@ -164,25 +165,6 @@ def checkpointing_of(cfg: RaydeepConfig) -> str:
     return modules if isinstance(modules, str) else "block"
 
 
-def persistent_params(cfg: RaydeepConfig, shape: ModelShape) -> int:
-    """Stage 3's always-gathered elements: parameters of at most the persistence threshold, while
-    their sum stays within ``stage3_model_persistence_threshold`` (DeepSpeed's rule)."""
-    zero = cfg.zero_optimization
-    sizes = shape.tensors.values() if shape.tensors else _synthetic_small(shape)
-    budget, kept = zero.model_persistence_threshold, 0
-    for n in sizes:
-        if n <= zero.param_persistence_threshold and n <= budget:
-            kept += n
-            budget -= n
-    return kept
-
-
-def _synthetic_small(shape: ModelShape) -> list[int]:
-    # A model known by its sizes: the biases and LayerNorms of each block and the final norm.
-    h = shape.hidden
-    return [3 * h, h, 4 * h, h, h, h, h, h] * shape.layers + [h, h]
-
-
 def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None = None,
                 host_memory: int | None = None, gpus_per_node: int = 1, on_device: bool = True,
                 checkpointing: str | None = None) -> MemoryPlan:
@@ -218,8 +200,6 @@ def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None
     acts = {c: activation_bytes(shape, micro, precision, c) for c in CHECKPOINTING}
     live = gathered_grad = 0
     if stage == 3:
-        from raydeep.doctor.traffic import kept_between_passes
-
         unit = min(shape.block_params, partitioned)
         ahead = min(zero.prefetch_bucket_size, max(0, zero.max_live_parameters - unit))
         # At the turn from forward to backward the blocks kept for reuse are all gathered.

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raydeep.config.model import RaydeepConfig
-from raydeep.doctor.memory import persistent_params
+from raydeep.doctor.stage3 import kept_between_passes, persistent_params
 from raydeep.doctor.shape import ModelShape
 from raydeep.estimate import PRECISION_BYTES
 
@@ -43,15 +43,6 @@ class Traffic:
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
-
-
-def kept_between_passes(cfg: RaydeepConfig, shape: ModelShape) -> int:
-    """Blocks stage 3 keeps gathered from their forward to their backward: block ``i`` of ``L`` is
-    used again after about ``2 (L - 1 - i)`` blocks' elements are fetched."""
-    if shape.block_params <= 0:
-        return 0
-    within = cfg.zero_optimization.max_reuse_distance // (2 * shape.block_params) + 1
-    return min(shape.layers, within)
 
 
 def predict_traffic(cfg: RaydeepConfig, shape: ModelShape) -> Traffic:

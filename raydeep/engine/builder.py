@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raydeep import collective_order, comm
+from raydeep import comm
+from raydeep.comm import order as collective_order
 from raydeep.checkpoint import Checkpointer
 from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFence
 from raydeep.config import RaydeepConfig
 from raydeep.doctor.oom import OomDiagnosis
 from raydeep.errors import ConfigError
-from raydeep.engine.activation import apply_activation_checkpointing
+from raydeep.activation import apply_activation_checkpointing
 from raydeep.engine.engine import Engine, EngineSettings
 from raydeep.monitor import build_monitors
 from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, build_optimizer, resolve_optimizer
@@ -33,9 +34,9 @@ from raydeep.optim.schedulers import SCHEDULER_NAMES, build_scheduler
 from raydeep.precision.diagnosis import OverflowWatch
 from raydeep.precision.loss_scaler import build_loss_scaler
 from raydeep.tier import OptimizerTier
-from raydeep.tier.select import rebuild_client_optimizer, select_tier
+from raydeep.tier.select import OffloadSettings, rebuild_client_optimizer, select_tier
 from raydeep.train_state import TrainState
-from raydeep.zero import partitioned
+from raydeep.zero import partitioned, residency
 from raydeep.zero.flat import FlatUnit
 from raydeep.zero.layout import plan_buckets
 from raydeep.zero.stage3 import PrefetchPolicy, Stage3
@@ -89,7 +90,7 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
                   checkpointer=Checkpointer(parts, CheckpointSettings.from_config(cfg), fence), state=state,
                   oom=OomDiagnosis(cfg, model, device),
                   overflow_watch=OverflowWatch(cfg.raydeep.overflow_diagnosis_after, units),
-                  monitors=build_monitors(cfg, rank), config=raw_config)
+                  monitors=build_monitors(cfg.tensorboard, cfg.csv_monitor, rank), config=raw_config)
 
 
 def _place_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype, stats, stage: int) -> None:
@@ -167,17 +168,15 @@ def _stage3_units(model, groups, cfg, rank, world, grad_dtype):
     modules = partition_modules(model, cfg.raydeep.partition_units)
     owner = _unit_owners(modules)
     group_of = {p: g for g, (_, named) in enumerate(groups) for _, p in named}
-    persistent_budget = zero.model_persistence_threshold
     offload = zero.offload_param
     host_params = offload is not None and offload.device == "cpu"  # ZeRO-3 Offload of the parameters
+    ordered = [(name, p) for _, named in groups for name, p in named]
+    kept = residency.persistent([p.numel() for _, p in ordered], zero.param_persistence_threshold,
+                                zero.model_persistence_threshold)
     buckets: dict[tuple, list] = {}
-    for g, (_, named) in enumerate(groups):
-        for name, p in named:
-            small = p.numel() <= zero.param_persistence_threshold and p.numel() <= persistent_budget
-            if small:
-                persistent_budget -= p.numel()
-            key = ("persistent", group_of[p]) if small else (owner[p], group_of[p])
-            buckets.setdefault(key, []).append((name, p))
+    for (name, p), small in zip(ordered, kept):
+        key = ("persistent", group_of[p]) if small else (owner[p], group_of[p])
+        buckets.setdefault(key, []).append((name, p))
     units, persistent, module_units = [], set(), [(m, []) for m in modules]
     for key, named in buckets.items():
         index = len(units)
@@ -223,10 +222,9 @@ def _build_strategy(stage, units, cfg, world, dtype, stats, extra, links: Strate
 def _build_tier(cfg, groups, units, client_optimizer, stats) -> OptimizerTier:
     """The optimizer tier over the units (``raydeep.tier.select``); the torch optimizer comes from
     the client or the config, through a factory that pickles (offload actors build it too)."""
-    offload = cfg.zero_optimization.offload_optimizer
-    offloading = offload is not None and offload.device != "none" and cfg.zero_optimization.stage > 0
+    offload = OffloadSettings.of(cfg.zero_optimization, cfg.raydeep)
     if client_optimizer is not None:
-        if offloading and cfg.zero_force_ds_cpu_optimizer:
+        if offload.offloading and cfg.zero_force_ds_cpu_optimizer:
             raise ConfigError("zero_force_ds_cpu_optimizer", "You are using ZeRO-Offload with a client provided "
                               f"optimizer ({type(client_optimizer).__name__}) which in most cases will yield poor "
                               "performance", value=True, fix="set an optimizer in the ds_config (raydeep runs it "
@@ -243,14 +241,14 @@ def _build_tier(cfg, groups, units, client_optimizer, stats) -> OptimizerTier:
         if spec.name in ONEBIT_OPTIMIZERS:
             return _compressed_tier(cfg, spec, groups, units, stats)
         make = functools.partial(build_optimizer, spec, prefer_fused=True)
-    return select_tier(cfg, units, [opts for opts, _ in groups], make)
+    return select_tier(offload, units, [opts for opts, _ in groups], make)
 
 
 def _compressed_tier(cfg, spec, groups, units, stats) -> OptimizerTier:
     """1-bit Adam or 0/1 Adam: the tier that takes over gradient communication (stage 0; the
     config rules refuse ZeRO)."""
     from raydeep.compression.allreduce import CompressedAllReduce
-    from raydeep.compression.tier import CompressedTier
+    from raydeep.tier.compressed import CompressedTier
 
     kwargs = dict(spec.kwargs)
     backend = kwargs.get("comm_backend_name")

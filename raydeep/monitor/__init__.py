@@ -59,18 +59,19 @@ class Monitors:
         self.writers = []
 
 
-def build_monitors(cfg, rank: int) -> Monitors | None:
-    """The monitors the config enables, on rank 0; None elsewhere or when none is enabled."""
+def build_monitors(tensorboard, csv_monitor, rank: int) -> Monitors | None:
+    """The monitors the config's ``tensorboard`` and ``csv_monitor`` sections enable, on rank 0;
+    None elsewhere or when none is enabled."""
     if rank != 0:
         return None
     writers = []
-    if cfg.tensorboard.enabled:
+    if tensorboard.enabled:
         from raydeep.monitor.tensorboard import TensorBoardMonitor
 
-        writers.append(TensorBoardMonitor(cfg.tensorboard))
-    if cfg.csv_monitor.enabled:
+        writers.append(TensorBoardMonitor(tensorboard))
+    if csv_monitor.enabled:
         from raydeep.monitor.csv_monitor import CsvMonitor
 
-        writers.append(CsvMonitor(cfg.csv_monitor))
+        writers.append(CsvMonitor(csv_monitor))
     return Monitors(writers) if writers else None
 

@@ -23,12 +23,11 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch.optim import Optimizer
 
-from raydeep.tier.base import OptimizerTier
 
 logger = logging.getLogger("raydeep")
 
@@ -40,11 +39,19 @@ SCHEDULER_NAMES: tuple[str, ...] = ("LRRangeTest", "OneCycle", "WarmupLR", "Warm
 _NOT_STARTED_MSG = "Attempting to get learning rate from scheduler before it has started"
 
 
-def _optimizer_to_drive(optimizer: Any) -> Optimizer | OptimizerTier:
-    # An optimizer tier is driven through its own param_groups (the ones its step reads), wherever
-    # it keeps the states. Other wrappers that keep the real optimizer in ``.optimizer`` are
-    # unwrapped one level, so the scheduler drives the param groups the step actually reads.
-    if isinstance(optimizer, (Optimizer, OptimizerTier)):
+@runtime_checkable
+class OwnParamGroups(Protocol):
+    """What owns the update and says so (an optimizer tier, ``raydeep.tier``): its own
+    ``param_groups`` are the ones its step reads, wherever it keeps the states."""
+
+    param_groups: list[dict]
+    optimizer_name: str
+
+
+def _optimizer_to_drive(optimizer: Any) -> Optimizer | OwnParamGroups:
+    # Other wrappers that keep the real optimizer in ``.optimizer`` are unwrapped one level, so
+    # the scheduler drives the param groups the step actually reads.
+    if isinstance(optimizer, (Optimizer, OwnParamGroups)):
         return optimizer
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, Optimizer):

@@ -84,16 +84,55 @@ class StaticLossScaler:
         self.cur_scale = float(sd["cur_scale"])
 
 
-class DynamicLossScaler:
+class _DynamicScale:
+    """What DeepSpeed's two dynamic rules share: the scale, the step counter, the last overflow,
+    the doubling rule -- double when ``stable = cur_iter - last_overflow_iter - 1`` is a positive
+    multiple of ``scale_window`` (the (W+1)-th clean step after an overflow or from the start) --
+    and a ``state_dict`` of the fields in ``STATE_KEYS``. ``rank`` only decides whether this
+    process logs (rank 0 does)."""
+
+    dynamic = True
+    TYPE = ""
+    STATE_KEYS: tuple[str, ...] = ("cur_iter", "last_overflow_iter", "scale_window", "min_scale")
+
+    def __init__(self, init_scale: float, scale_window: int, min_scale: float, rank: int) -> None:
+        self.cur_scale = float(init_scale)
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = SCALE_FACTOR
+        self.scale_window = scale_window
+        self.min_scale = min_scale
+        self.rank = rank
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before ``backward``."""
+        return self.cur_scale
+
+    def _window_passed(self) -> bool:
+        stable = self.cur_iter - self.last_overflow_iter - 1
+        return stable > 0 and stable % self.scale_window == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON-able state; ``load_state_dict`` of it resumes the exact sequence."""
+        return {"type": self.TYPE, "cur_scale": self.cur_scale, **{key: getattr(self, key) for key in self.STATE_KEYS}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore every field present in ``sd`` (as written by ``state_dict``)."""
+        for key in self.STATE_KEYS:
+            if key in sd:
+                setattr(self, key, sd[key])
+        self.cur_scale = float(sd["cur_scale"])
+
+
+class DynamicLossScaler(_DynamicScale):
     """The ZeRO dynamic loss scaler (DeepSpeed 0.19.8, bit for bit).
 
     On overflow: with hysteresis left (``cur_hysteresis > 1`` and ``delayed_shift > 1``)
     only the hysteresis drops by one; otherwise the scale halves, floored at
     ``min_scale``, and an overflow *at* ``min_scale`` raises (unless
     ``raise_error_at_min_scale`` is False). Every step is counted in ``cur_iter``; the
-    scale doubles when ``stable = cur_iter - last_overflow_iter - 1`` is a positive
-    multiple of ``scale_window`` -- the (W+1)-th clean step after an overflow or from
-    the start. ``rank`` only decides whether this process logs (rank 0 does).
+    scale doubles by the shared rule (:class:`_DynamicScale`).
 
     Example:
         >>> s = DynamicLossScaler(8, scale_window=2, min_scale=1, delayed_shift=1, consecutive_hysteresis=False)
@@ -101,7 +140,9 @@ class DynamicLossScaler:
         [8.0, 8.0, 16.0]
     """
 
-    dynamic = True
+    TYPE = "dynamic"
+    STATE_KEYS = _DynamicScale.STATE_KEYS + ("cur_hysteresis", "delayed_shift", "consecutive_hysteresis",
+                                             "raise_error_at_min_scale")
 
     def __init__(
         self,
@@ -114,22 +155,11 @@ class DynamicLossScaler:
         *,
         rank: int = 0,
     ) -> None:
-        self.cur_scale = float(init_scale)
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = SCALE_FACTOR
-        self.scale_window = scale_window
-        self.min_scale = min_scale
+        super().__init__(init_scale, scale_window, min_scale, rank)
         self.delayed_shift = delayed_shift
         self.cur_hysteresis = delayed_shift
         self.consecutive_hysteresis = consecutive_hysteresis
         self.raise_error_at_min_scale = raise_error_at_min_scale
-        self.rank = rank
-
-    @property
-    def loss_scale(self) -> float:
-        """The factor the loss is multiplied by before ``backward``."""
-        return self.cur_scale
 
     def update_scale(self, overflow: bool) -> None:
         """Advance one optimizer step given the all-reduced ``overflow`` flag."""
@@ -162,41 +192,17 @@ class DynamicLossScaler:
             if self.rank == 0:
                 logger.info(f"Consecutive hysteresis is enabled. Restoring hysteresis to {self.delayed_shift}")
             self.cur_hysteresis = self.delayed_shift
-        stable = self.cur_iter - self.last_overflow_iter - 1
-        if stable > 0 and stable % self.scale_window == 0:
+        if self._window_passed():
             if not self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
             self.cur_scale *= self.scale_factor
 
-    def state_dict(self) -> dict[str, Any]:
-        """Plain JSON-able state; ``load_state_dict`` of it resumes the exact sequence."""
-        return {
-            "type": "dynamic",
-            "cur_scale": self.cur_scale,
-            "cur_iter": self.cur_iter,
-            "last_overflow_iter": self.last_overflow_iter,
-            "cur_hysteresis": self.cur_hysteresis,
-            "scale_window": self.scale_window,
-            "min_scale": self.min_scale,
-            "delayed_shift": self.delayed_shift,
-            "consecutive_hysteresis": self.consecutive_hysteresis,
-            "raise_error_at_min_scale": self.raise_error_at_min_scale,
-        }
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore every field present in ``sd`` (as written by ``state_dict``)."""
-        for key in ("cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_window", "min_scale",
-                    "delayed_shift", "consecutive_hysteresis", "raise_error_at_min_scale"):
-            if key in sd:
-                setattr(self, key, sd[key])
-        self.cur_scale = float(sd["cur_scale"])
-
-
-class NonZeroDynamicLossScaler:
+class NonZeroDynamicLossScaler(_DynamicScale):
     """The dynamic rule of DeepSpeed's non-ZeRO fp16 wrappers (stage 0).
 
     No hysteresis: every overflow halves the scale, floored at ``min_scale``, and it
-    never raises. Doubling follows the same (W+1)-th-clean-step rule as the ZeRO scaler.
+    never raises. Doubling follows the same rule as the ZeRO scaler.
 
     Example:
         >>> s = NonZeroDynamicLossScaler(2, scale_window=1000, min_scale=1)
@@ -205,21 +211,10 @@ class NonZeroDynamicLossScaler:
         1.0
     """
 
-    dynamic = True
+    TYPE = "dynamic_non_zero"
 
     def __init__(self, init_scale: float, scale_window: int, min_scale: float, *, rank: int = 0) -> None:
-        self.cur_scale = float(init_scale)
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.scale_factor = SCALE_FACTOR
-        self.scale_window = scale_window
-        self.min_scale = min_scale
-        self.rank = rank
-
-    @property
-    def loss_scale(self) -> float:
-        """The factor the loss is multiplied by before ``backward``."""
-        return self.cur_scale
+        super().__init__(init_scale, scale_window, min_scale, rank)
 
     def update_scale(self, overflow: bool) -> None:
         """Advance one optimizer step given the all-reduced ``overflow`` flag."""
@@ -230,32 +225,12 @@ class NonZeroDynamicLossScaler:
             if self.rank == 0:
                 logger.info(f"Grad overflow on iteration {self.cur_iter}")
                 logger.info(f"Reducing dynamic loss scale from {prev_scale} to {self.cur_scale}")
-        else:
-            stable = self.cur_iter - self.last_overflow_iter - 1
-            if stable > 0 and stable % self.scale_window == 0:
-                self.cur_scale *= self.scale_factor
-                if self.rank == 0:
-                    logger.info(f"No Grad overflow for {self.scale_window} iterations")
-                    logger.info(f"Increasing dynamic loss scale from {prev_scale} to {self.cur_scale}")
+        elif self._window_passed():
+            self.cur_scale *= self.scale_factor
+            if self.rank == 0:
+                logger.info(f"No Grad overflow for {self.scale_window} iterations")
+                logger.info(f"Increasing dynamic loss scale from {prev_scale} to {self.cur_scale}")
         self.cur_iter += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain JSON-able state (the fields DeepSpeed's fp16 wrappers checkpoint)."""
-        return {
-            "type": "dynamic_non_zero",
-            "cur_scale": self.cur_scale,
-            "cur_iter": self.cur_iter,
-            "last_overflow_iter": self.last_overflow_iter,
-            "scale_window": self.scale_window,
-            "min_scale": self.min_scale,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore every field present in ``sd`` (as written by ``state_dict``)."""
-        for key in ("cur_iter", "last_overflow_iter", "scale_window", "min_scale"):
-            if key in sd:
-                setattr(self, key, sd[key])
-        self.cur_scale = float(sd["cur_scale"])
 
 
 LossScaler = StaticLossScaler | DynamicLossScaler | NonZeroDynamicLossScaler

@@ -10,7 +10,7 @@ command line exits 2) instead of ``max_failures`` retries and a worker traceback
 """
 from __future__ import annotations
 
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+from raydeep.ray.ray_private import DefaultFailurePolicy, FailureDecision
 
 from raydeep.errors import RaydeepError
 

@@ -80,7 +80,7 @@ def check_storage(storage_path: str) -> None:
     import pyarrow as pa
     import pyarrow.fs as pafs
 
-    from raydeep.checkpoint.storage import Storage
+    from raydeep.storage import Storage
 
     try:
         store = Storage.open(storage_path)

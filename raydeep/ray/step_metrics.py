@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.config.sections import RaydeepSection
 from raydeep.metrics import METRICS_DIR, SCHEMA, attempt_file, collective_bytes
 

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 import ray
 from ray.train import TrainingFailedError
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks import DatasetsCallback
 
 from raydeep.config.sections import RaydeepSection
 from raydeep.errors import InputError
 from raydeep.ray.batch_plan import BatchSchedule, plan_batches
 from raydeep.ray.failures import RaydeepFailurePolicy, deterministic_error
-from raydeep.ray.monitor import start_monitor
+from raydeep.ray.ray_private import DatasetsCallback, canonicalize_bootstrap_address
+from raydeep.ray.run_monitor import start_monitor
 from raydeep.ray.progress import HangPrinter, MonitorPoller
 from raydeep.ray.spec import TrainSpec, check_storage
 from raydeep.ray.summary import build_summary, write_json
@@ -56,7 +56,8 @@ NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP
 
 class RaydeepTorchTrainer(TorchTrainer):
     """``TorchTrainer`` that fails at once on a deterministic error (:mod:`raydeep.ray.failures`),
-    less the Ray Data plumbing when no Ray Datasets are given.
+    less the Ray Data plumbing when no Ray Datasets are given. Both override private methods
+    (``raydeep.ray.ray_private.TRAINER_OVERRIDES``, checked by a test against the pinned Ray).
 
     Ray Train starts a ``DatasetManager`` actor for every worker group, datasets or not: a fresh
     process that imports Ray Data (pandas, pyarrow compute), about 3 CPU-seconds on every restart,
@@ -109,8 +110,6 @@ def connect(spec: TrainSpec, address: str | None = None, log_to_driver: bool = T
 def running_local_cluster() -> str | None:
     """The address of the cluster the last ``ray start`` on this machine left running, if any:
     the one plain ``ray.init()`` would join (Ray's own lookup)."""
-    from ray._private.services import canonicalize_bootstrap_address
-
     try:
         return canonicalize_bootstrap_address(None)
     except (ValueError, OSError):

@@ -143,7 +143,7 @@ class HangReporter:
         self.attempt = 0  # set once the attempt's number in the run is known
 
     def __call__(self, hang: Hang) -> None:
-        from raydeep.checkpoint.storage import Storage
+        from raydeep.storage import Storage
 
         rel = f"diagnostics/attempt-{self.attempt}/hang-step{hang.step}-rank{self.rank}.txt"
         storage = Storage.open(self.run_uri)

@@ -12,7 +12,7 @@ attempt. The session adds raydeep's part:
 - the restore reads the newest committed checkpoint (Ray Train's, or a newer one raydeep's
   ``latest`` names), resharding when the world size changed; a damaged one (a file failing its
   sha256) is passed over for the newest intact one, with a warning the driver shows;
-- step events go to the driver's :class:`~raydeep.ray.monitor.RunMonitor` (with the DeepSpeed
+- step events go to the driver's :class:`~raydeep.ray.run_monitor.RunMonitor` (with the DeepSpeed
   console lines rank 0 logged in the step, :mod:`raydeep.console_lines`) and, from rank 0, to
   Prometheus gauges (:mod:`raydeep.ray.gauges`); each checkpoint's report carries the step's
   loss, tokens/s, MFU, samples/s and step time, which Ray Train's result and Tune's trials show;
@@ -33,7 +33,8 @@ import ray
 import ray.train
 import torch
 
-from raydeep.checkpoint import Storage, committed_tags
+from raydeep.checkpoint import committed_tags
+from raydeep.storage import Storage
 from raydeep.checkpoint.format import LATEST
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.config.sections import RaydeepSection

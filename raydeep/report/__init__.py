@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.errors import InputError, RaydeepError
 
 REPORT_DIR = "report"

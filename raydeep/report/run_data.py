@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.errors import InputError
 from raydeep.metrics import METRICS_DIR, read_metrics
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,32 +53,54 @@ def offload_nodes(marker: str) -> list[str]:
     return found
 
 
-def select_tier(cfg, units, group_options: list[dict], make_optimizer: Callable) -> OptimizerTier:
-    """The tier for a resolved config over the units (``make_optimizer`` must pickle for actors)."""
-    zero, options = cfg.zero_optimization, cfg.raydeep
-    offload = zero.offload_optimizer
-    if offload is None or offload.device == "none" or zero.stage == 0:
-        return LocalTier(units, group_options, make_optimizer, zero.sub_group_size)
-    target = options.offload_target
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What decides the tier: ``zero_optimization``'s stage, ``sub_group_size`` and
+    ``offload_optimizer`` section, and ``raydeep``'s offload options."""
+
+    stage: int
+    sub_group_size: int
+    offload: Any = None  # the offload_optimizer section, or None
+    target: str = "auto"
+    resource: str = "raydeep_offload"
+    actors_per_rank: int = 1
+    actor_cpus: float = 1.0
+
+    @classmethod
+    def of(cls, zero, options) -> "OffloadSettings":
+        """From the ``zero_optimization`` and ``raydeep`` sections."""
+        return cls(zero.stage, zero.sub_group_size, zero.offload_optimizer, options.offload_target,
+                   options.offload_resource, options.offload_actors_per_rank, options.offload_actor_cpus)
+
+    @property
+    def offloading(self) -> bool:
+        return self.offload is not None and self.offload.device != "none" and self.stage > 0
+
+
+def select_tier(settings: OffloadSettings, units, group_options: list[dict], make_optimizer: Callable) -> OptimizerTier:
+    """The tier ``settings`` ask for over the units (``make_optimizer`` must pickle for actors)."""
+    offload = settings.offload
+    if not settings.offloading:
+        return LocalTier(units, group_options, make_optimizer, settings.sub_group_size)
+    target = settings.target
     if target != "host":
-        nodes = offload_nodes(options.offload_resource)
+        nodes = offload_nodes(settings.resource)
         if target == "actors" and not nodes:
             raise ConfigError("raydeep.offload_target", f"asks for offload actors, but no alive Ray node is marked "
-                              f"by raydeep.offload_resource {options.offload_resource!r}", value=target,
+                              f"by raydeep.offload_resource {settings.resource!r}", value=target,
                               fix="start offload nodes with ray start --resources='{\"%s\": 1}' (or --labels), or "
-                                  "set raydeep.offload_target to \"auto\" or \"host\"" % options.offload_resource)
+                                  "set raydeep.offload_target to \"auto\" or \"host\"" % settings.resource)
         target = "actors" if nodes else "host"
     if target == "host":
-        return HostTier(units, group_options, make_optimizer, zero.sub_group_size, pin_memory=offload.pin_memory,
+        return HostTier(units, group_options, make_optimizer, settings.sub_group_size, pin_memory=offload.pin_memory,
                         ratio=offload.ratio)
     from raydeep.tier.actors import ActorTier
 
     if offload.ratio < 1.0:
         logger.warning("offload_optimizer.ratio %s applies to the host tier; the actor tier offloads every "
                        "sub-group", offload.ratio)
-    return ActorTier(units, group_options, make_optimizer, zero.sub_group_size,
-                     offload_placement(options.offload_resource), options.offload_actors_per_rank,
-                     options.offload_actor_cpus)
+    return ActorTier(units, group_options, make_optimizer, settings.sub_group_size,
+                     offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus)
 
 
 def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:

@@ -20,7 +20,7 @@ POINTS = ("first-file", "before-manifest", "before-rename", "before-latest")
 
 def _die_at(point: str) -> None:
     from raydeep.checkpoint import format as fmt
-    from raydeep.checkpoint.storage import Storage
+    from raydeep.storage import Storage
 
     write, rename, atomic = Storage.write, Storage.rename_dir, Storage.write_atomic
 

@@ -90,7 +90,7 @@ _COUNTED = {
     "all_gather": ("all_gather", "tensor_list"), "all_gather_into_tensor": ("all_gather", "output_tensor"),
     "all_gather_single": ("all_gather", "output_tensor"), "_all_gather_base": ("all_gather", "output_tensor"),
     "all_gather_coalesced": ("all_gather", "output_tensor_lists"),
-    # Point-to-point: the bytes sent (raydeep's gloo exchange, raydeep.exchange, is made of these).
+    # Point-to-point: the bytes sent (raydeep's gloo exchange, raydeep.comm.exchange, is made of these).
     "send": ("send", "tensor"), "isend": ("send", "tensor"),
 }
 _OTHER = ("all_to_all", "all_to_all_single", "gather", "scatter", "recv", "irecv", "batch_isend_irecv")

@@ -22,7 +22,7 @@ def diverge(kind: str) -> dict:
     import torch.distributed as dist
 
     import raydeep
-    from raydeep.collective_order import CollectiveOrderError
+    from raydeep.comm.order import CollectiveOrderError
 
     rank = dist.get_rank()
     bucket = 20000 if kind != "bucket" or rank == 0 else 30000

@@ -90,7 +90,7 @@ def test_ring_traffic_not_above_deepspeed(capsys):
         for rank, res in enumerate(results):
             ours = res["raydeep"][stage]
             # On gloo raydeep's reduce-scatters and all-gathers are exchanges of sends and
-            # receives (raydeep.exchange): what they put on the wire must be what comm_stats()
+            # receives (raydeep.comm.exchange): what they put on the wire must be what comm_stats()
             # reports by the ring rule; every other collective is reported as issued.
             reported, seen = ours["reported"], ours["seen"]
             assert ring_bytes(reported) == ring_bytes(seen), (

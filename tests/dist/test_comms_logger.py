@@ -73,7 +73,7 @@ def _table_rows(text: str) -> dict[str, dict[str, int]]:
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_summary_rows_match_the_engines_counters(stage):
-    from raydeep.comms_logging import DEEPSPEED_NAMES, convert_size
+    from raydeep.comm.comms_logging import DEEPSPEED_NAMES, convert_size
 
     ranks = run_ranks(logged_training, 2, stage)
     for rank, result in enumerate(ranks):

@@ -1,5 +1,5 @@
 """On gloo, ``comm.reduce_scatter`` and ``comm.all_gather`` run as direct exchanges
-(``raydeep.exchange``): they must give what gloo's own collectives give, synchronous and
+(``raydeep.comm.exchange``): they must give what gloo's own collectives give, synchronous and
 asynchronous, several in flight at once, in a subgroup, and with an all-gather's input inside its
 output (a ZeRO shard in its flat buffer)."""
 from __future__ import annotations

@@ -8,7 +8,7 @@ from torch import nn
 
 import raydeep
 from raydeep import checkpointing
-from raydeep.engine.activation import apply_activation_checkpointing, select_modules, unwrap
+from raydeep.activation.wrap import apply_activation_checkpointing, select_modules, unwrap
 from raydeep.models import build_gpt
 
 

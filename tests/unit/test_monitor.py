@@ -169,7 +169,7 @@ def test_recording_is_off_without_a_comms_logger(one_rank):
 
 
 def test_bandwidth_factors_are_deepspeeds():
-    from raydeep.comms_logging import bandwidth_gbps
+    from raydeep.comm.comms_logging import bandwidth_gbps
 
     mb, n = 2 ** 20, 4  # 1 MiB in 1 ms on 4 ranks: 8.39 Gbps of payload
     base = mb * 8 / 1e6

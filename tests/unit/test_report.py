@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.cli import main
 from raydeep.metrics import COLLECTIVES, SCHEMA, attempt_file
 from raydeep.report.run_data import step_series

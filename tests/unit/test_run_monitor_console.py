@@ -2,7 +2,7 @@
 the oldest dropped past MAX_CONSOLE_LINES (the class's logic, without an actor)."""
 from __future__ import annotations
 
-from raydeep.ray import monitor as monitor_module
+from raydeep.ray import run_monitor as monitor_module
 
 Monitor = monitor_module.RunMonitor.__ray_actor_class__
 

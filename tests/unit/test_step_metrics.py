@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raydeep.checkpoint.storage import Storage
+from raydeep.storage import Storage
 from raydeep.config.sections import RaydeepSection
 from raydeep.metrics import COLLECTIVES, SCHEMA, attempt_file, read_metrics
 from raydeep.ray.step_metrics import (MetricsWriter, StepMetrics, Throughput, chip_peak_tflops, flops_per_token,

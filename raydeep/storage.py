@@ -1,5 +1,5 @@
-"""A checkpoint directory on any ``pyarrow.fs`` filesystem: local paths, ``file://``, ``s3://``,
-``gs://``, ``hdfs://``.
+"""A run's directory on any ``pyarrow.fs`` filesystem -- local paths, ``file://``, ``s3://``,
+``gs://``, ``hdfs://`` -- for what a run writes: checkpoints, step metrics, reports.
 
 Two kinds of filesystem need two commit protocols, and this class hides which one applies:
 

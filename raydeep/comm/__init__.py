@@ -7,7 +7,7 @@ With one rank (or no process group) the ops are no-ops and move nothing, unless
 ``RAYDEEP_COLLECTIVES_AT_WORLD_1=1`` and a process group exists: then one rank runs every
 collective for real, so a single GPU exercises the whole NCCL path (a one-rank NCCL group works;
 two ranks cannot share a GPU). With the config's ``comms_logger`` enabled, each op is also
-recorded for DeepSpeed's ``log_summary`` table (:mod:`raydeep.comms_logging`, :func:`log_summary`).
+recorded for DeepSpeed's ``log_summary`` table (:mod:`raydeep.comm.comms_logging`, :func:`log_summary`).
 
 >>> stats = CommStats()
 >>> t = all_reduce(torch.ones(4), stats)
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from raydeep import exchange
-from raydeep.comms_logging import CommsLogger, deepspeed_name
+from raydeep.comm import exchange
+from raydeep.comm.comms_logging import CommsLogger, deepspeed_name
 from raydeep.console_lines import CONSOLE
 
 
@@ -36,14 +36,14 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def _exchanging(group) -> bool:
-    """Whether this collective runs as :mod:`raydeep.exchange`'s point-to-point exchange: on gloo
+    """Whether this collective runs as :mod:`raydeep.comm.exchange`'s point-to-point exchange: on gloo
     groups, unless ``RAYDEEP_GLOO_EXCHANGE=0`` (torch's own gloo collectives: how the tests run
     the branch NCCL takes on a CPU-only machine, and how a benchmark measures the difference)."""
     return dist.get_backend(group) == "gloo" and os.environ.get("RAYDEEP_GLOO_EXCHANGE", "1") != "0"
 
 
 def _gloo_or(collective, exchanged):
-    """``collective`` (a torch one), except on gloo, where ``exchanged`` (:mod:`raydeep.exchange`)
+    """``collective`` (a torch one), except on gloo, where ``exchanged`` (:mod:`raydeep.comm.exchange`)
     moves the same bytes in about half the time."""
     def launch(output, input, group=None, async_op=False):
         if not _exchanging(group):
@@ -191,7 +191,7 @@ def reset_log() -> None:
         _comms_logger.reset()
 
 
-# The collective-order check (raydeep.collective_order), when on, and the last collective issued
+# The collective-order check (raydeep.comm.order), when on, and the last collective issued
 # (op, shape, unit, wall time): what the step watchdog reports for a rank that hangs.
 _order_checker = None
 _last: tuple | None = None
@@ -200,7 +200,7 @@ _last: tuple | None = None
 def enable_order_check(timeout_s: float) -> None:
     """Check every following collective's order across ranks (collective: every rank calls it)."""
     global _order_checker
-    from raydeep.collective_order import OrderChecker
+    from raydeep.comm.order import OrderChecker
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not _checking():
         _order_checker = OrderChecker(timeout_s)

@@ -26,7 +26,7 @@ import logging
 
 from torch import nn
 
-from raydeep.checkpointing import checkpoint, unimplemented_options
+from raydeep.activation.deepspeed_api import checkpoint, unimplemented_options
 
 logger = logging.getLogger("raydeep")
 
