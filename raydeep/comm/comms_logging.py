@@ -33,7 +33,7 @@ DEEPSPEED_NAMES = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter
 _COLUMNS = ("Comm. Op", "Message Size", "Count", "Total Latency(ms)", "Avg Latency(ms)", "tput_avg (Gbps)",
             "busbw_avg (Gbps)")
 # Frames in these files are raydeep's own plumbing, not the caller the ``debug`` suffix names.
-_PLUMBING = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "comm.py")}
+_PLUMBING = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "__init__.py")}
 
 
 def deepspeed_name(label: str) -> str:

@@ -180,11 +180,11 @@ class Engine(nn.Module):
         # combined as the strategy says (``norm_reduction``), even where each rank holds its own
         # gradients (a compressed stage).
         if self.settings.compute_grad_norm:
-            total_norm = self._global_norm()
+            total_norm = global_grad_norm(self.strategy, self.stats)
             overflow = self.settings.skip_nonfinite and not math.isfinite(total_norm)
         else:  # no norm to read the overflow from: scan the gradients, as DeepSpeed does
             total_norm = None
-            overflow = self.settings.skip_nonfinite and self._any_rank_overflowed()
+            overflow = self.settings.skip_nonfinite and any_rank_overflowed(self.strategy, self.stats)
         if self.settings.precision == "fp16":
             self.overflow_watch.observe(self.global_steps + 1, overflow, scale)
         # The scaler first, as in DeepSpeed: at the minimum scale it raises before any counter moves.
@@ -213,25 +213,6 @@ class Engine(nn.Module):
             torch.cuda.empty_cache()  # the field report's cure for fragmentation in long runs
         self.global_samples += self.settings.train_batch_size
         self._report_progress()
-
-    def _any_rank_overflowed(self) -> bool:
-        flag = overflow_flag(self.strategy.grad_shards())
-        if flag is None:
-            return False
-        if self.strategy.norm_reduction() is not None:  # shards, or each rank's own gradients
-            return comm.all_reduce_value(flag.to(torch.float64), "max", self.stats, owner="overflow flag") > 0
-        return bool(flag)
-
-    def _global_norm(self) -> float:
-        """The gradient norm every rank clips with, combined as the strategy's ``norm_reduction``
-        says (a sum of shards' squares, the largest rank's, or this rank's own)."""
-        sq = self.strategy.grad_sq_norm()  # on the device; read once, below
-        reduction = self.strategy.norm_reduction()
-        if reduction == "max":  # non-finite as +inf: a NaN may lose a MAX comparison
-            sq = torch.where(sq.isfinite(), sq, math.inf)
-        total = float(sq) if reduction is None else comm.all_reduce_value(sq, reduction, self.stats,
-                                                                           owner="gradient norm")
-        return math.sqrt(total) if math.isfinite(total) else float("nan")
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """Run one full optimizer step (GAS micro-batches from ``data_iter``); returns the mean loss."""
@@ -384,3 +365,25 @@ class Engine(nn.Module):
 
     def reset_comm_stats(self) -> None:
         self.stats.reset()
+
+
+def global_grad_norm(strategy, stats: comm.CommStats) -> float:
+    """The gradient norm every rank clips with, combined as the strategy's ``norm_reduction``
+    says (a sum of the shards' squares, the largest rank's, or this rank's own); NaN if not finite."""
+    sq = strategy.grad_sq_norm()  # on the device; read once, below
+    reduction = strategy.norm_reduction()
+    if reduction == "max":  # non-finite as +inf: a NaN may lose a MAX comparison
+        sq = torch.where(sq.isfinite(), sq, math.inf)
+    total = float(sq) if reduction is None else comm.all_reduce_value(sq, reduction, stats, owner="gradient norm")
+    return math.sqrt(total) if math.isfinite(total) else float("nan")
+
+
+def any_rank_overflowed(strategy, stats: comm.CommStats) -> bool:
+    """Whether any rank's gradients hold an inf or NaN (with ``compute_grad_norm`` off there is no
+    norm to read it from: DeepSpeed scans the gradients)."""
+    flag = overflow_flag(strategy.grad_shards())
+    if flag is None:
+        return False
+    if strategy.norm_reduction() is not None:  # shards, or each rank's own gradients
+        return comm.all_reduce_value(flag.to(torch.float64), "max", stats, owner="overflow flag") > 0
+    return bool(flag)
