@@ -25,6 +25,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from raydeep.checkpoint import format as fmt
+from raydeep.checkpoint.parts import CheckpointParts
 from raydeep.checkpoint.reader import CheckpointReader
 from raydeep.checkpoint.restore import copy_unpartitioned
 from raydeep.checkpoint.snapshot import held_range, pieces_in
@@ -218,9 +219,14 @@ def _read_file(storage: Storage, name: str) -> dict[str, torch.Tensor]:
 
 # --- state dict -> engine -----------------------------------------------------------------------------
 def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool = True) -> list[str]:
-    """Load consolidated weights into an engine of any stage and world size: every rank hands
-    the ranges its units own to the optimizer tier as fp32 masters, then the engine publishes
-    them as after an optimizer step (collective: every rank calls it). Buffers and frozen parameters are copied
+    """:func:`load_weights` into ``engine``'s stateful parts (those its checkpoints save)."""
+    return load_weights(engine.checkpointer.parts, source, strict)
+
+
+def load_weights(parts: CheckpointParts, source: str | dict[str, torch.Tensor], strict: bool = True) -> list[str]:
+    """Load consolidated weights into a run's parts at any stage and world size: every rank hands
+    the ranges its units own to the optimizer tier as fp32 masters, then publishes them as after
+    an optimizer step (collective: every rank calls it). Buffers and frozen parameters are copied
     whole. Optimizer state, counters and scheduler are untouched. Returns the names not used.
 
     With ``strict``, every trainable parameter must be present with its shape, and every name
@@ -228,7 +234,7 @@ def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool
     state_dict = load_consolidated(source) if isinstance(source, str) else source
     where = source if isinstance(source, str) else "state dict"
     problems, used = [], set()
-    for unit in engine.strategy.units:
+    for unit in parts.units:
         for slot in unit.layout.slots:
             tensor = state_dict.get(slot.name)
             if tensor is None:
@@ -236,22 +242,22 @@ def load_into_engine(engine, source: str | dict[str, torch.Tensor], strict: bool
             elif tuple(tensor.shape) != tuple(slot.shape):
                 problems.append(f"{slot.name}: shape {tuple(tensor.shape)} in the file, "
                                 f"{tuple(slot.shape)} in the model")
-    known = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
-    known |= {n for n, _ in engine.module.named_buffers(remove_duplicate=False)}
+    known = {n for n, _ in parts.module.named_parameters(remove_duplicate=False)}
+    known |= {n for n, _ in parts.module.named_buffers(remove_duplicate=False)}
     unexpected = [name for name in state_dict if name not in known]
     if strict:
         problems += [f"{name}: not a parameter or buffer of the model" for name in unexpected]
     if problems:
         raise CheckpointError(f"{where} does not fit this model:\n  " + "\n  ".join(problems[:20]))
     pieces = []
-    for unit in engine.strategy.units:
+    for unit in parts.units:
         start, end, _ = held_range(unit)
         master = torch.empty(max(end - start, 0), dtype=torch.float32)
         for slot, s, e in pieces_in(unit, start, end):
             master[s - start:e - start].copy_(state_dict[slot.name].reshape(-1)[s - slot.offset:e - slot.offset])
         pieces.append(UnitRange(start, end, master))
         used.update(unit.param_names)  # every rank reports the same: each name has an owner somewhere
-    engine.tier.load_state_dict(TierState(pieces))  # fp32 masters -> model-dtype shards
-    engine.strategy.publish()  # -> full parameters
-    used |= copy_unpartitioned(engine.module, engine.strategy.units, buffers=state_dict, frozen=state_dict)
+    parts.tier.load_state_dict(TierState(pieces))  # fp32 masters -> model-dtype shards
+    parts.publish()  # -> full parameters
+    used |= copy_unpartitioned(parts.module, parts.units, buffers=state_dict, frozen=state_dict)
     return [name for name in state_dict if name not in used]
