@@ -164,18 +164,22 @@ def run(opts) -> dict:
             "model_size": model_size, "world_size": {w: fake[w] for w in fake}, "checks": checks}
 
 
-def plots(summary: dict, out: str) -> None:
+def plots(summary: dict, out: str) -> dict:
+    """Writes model_size.png (when the summary has that part) and world_size.png; returns their
+    (closed) matplotlib Figures by name, whose artists say what each PNG shows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figures = {}
     if summary["model_size"]:
-        _model_size_plot(plt, summary, out)
-    _world_size_plot(plt, summary, out)
+        figures["model_size"] = _model_size_plot(plt, summary, out)
+    figures["world_size"] = _world_size_plot(plt, summary, out)
+    return figures
 
 
-def _model_size_plot(plt, summary: dict, out: str) -> None:
+def _model_size_plot(plt, summary: dict, out: str):
     s = summary["setup"]
     fig, (t_ax, b_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for stage in STAGES:
@@ -193,9 +197,10 @@ def _model_size_plot(plt, summary: dict, out: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "model_size.png"), dpi=110)
     plt.close(fig)
+    return fig
 
 
-def _world_size_plot(plt, summary: dict, out: str) -> None:
+def _world_size_plot(plt, summary: dict, out: str):
     s = summary["setup"]
     fig, (m_ax, b_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     worlds = sorted(summary["world_size"])
@@ -223,6 +228,7 @@ def _world_size_plot(plt, summary: dict, out: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "world_size.png"), dpi=110, bbox_inches="tight")  # with the legends below
     plt.close(fig)
+    return fig
 
 
 def render(summary: dict) -> str:

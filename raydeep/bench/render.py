@@ -47,8 +47,9 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def chart(summary: dict, path: str) -> None:
-    """Median step time per contender (quartiles as error bars), grouped by ZeRO stage."""
+def chart(summary: dict, path: str):
+    """Median step time per contender (quartiles as error bars), grouped by ZeRO stage. Returns the
+    (closed) matplotlib Figure, whose artists say what the PNG shows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,3 +76,4 @@ def chart(summary: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig

@@ -1,4 +1,5 @@
-"""The report's figures, one function per PNG, each taking the run's metrics and returning PNG bytes.
+"""The report's figures, one function per PNG, each taking the run's metrics and returning PNG bytes;
+``*_figure`` builds the matplotlib Figure each PNG is rendered from (what a test reads back).
 
 Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas rather than through
 ``pyplot``: no global figure state and no GUI backend, whatever the calling process set up.
@@ -60,6 +61,10 @@ class PlotInput:
 
 # --- the five figures ----------------------------------------------------------------------------
 def loss_png(data: PlotInput) -> bytes:
+    return _png(loss_figure(data))
+
+
+def loss_figure(data: PlotInput) -> Figure:
     points = data.points(LINE_POINTS)
     fig, (ax,) = _figure(data, points, "Training loss", rows=1, height=4.8)
     loss = points.column("loss")
@@ -72,10 +77,14 @@ def loss_png(data: PlotInput) -> bytes:
     _mark_attempts(ax, data.spans, label_spans=True)
     _label(ax, "loss")
     _legend(ax, loc="best")
-    return _png(fig)
+    return fig
 
 
 def throughput_png(data: PlotInput) -> bytes:
+    return _png(throughput_figure(data))
+
+
+def throughput_figure(data: PlotInput) -> Figure:
     points = data.points(LINE_POINTS)
     fig, (speed, mfu) = _figure(data, points, "Throughput", rows=2, height_ratios=(3, 2))
     _plot_speed(speed, points)
@@ -92,7 +101,7 @@ def throughput_png(data: PlotInput) -> bytes:
         _mark_attempts(ax, data.spans, label_spans=ax is speed)
     _legend(speed, loc="best")
     _legend(mfu, loc="best")
-    return _png(fig)
+    return fig
 
 
 def _plot_speed(ax, points: StepSeries) -> None:
@@ -126,6 +135,10 @@ def _plot_speed(ax, points: StepSeries) -> None:
 
 
 def step_time_png(data: PlotInput) -> bytes:
+    return _png(step_time_figure(data))
+
+
+def step_time_figure(data: PlotInput) -> Figure:
     points = data.points(STACK_POINTS)
     fig, (ax,) = _figure(data, points, "Step time breakdown (rank 0)", rows=1, height=4.8)
     parts = {label: points.column(column) for column, label in STEP_PARTS}
@@ -148,10 +161,14 @@ def step_time_png(data: PlotInput) -> bytes:
     _mark_attempts(ax, data.spans, label_spans=True)
     _label(ax, f"time per step ({unit})")
     _legend_outside(ax)
-    return _png(fig)
+    return fig
 
 
 def memory_png(data: PlotInput) -> bytes:
+    return _png(memory_figure(data))
+
+
+def memory_figure(data: PlotInput) -> Figure:
     points = data.points(LINE_POINTS, per_rank=("model_state_bytes", "peak_memory_bytes"))
     fig, (states, peak) = _figure(data, points, "Device memory per rank", rows=2)
     model_states, peaks = points.per_rank["model_state_bytes"], points.per_rank["peak_memory_bytes"]
@@ -163,10 +180,14 @@ def memory_png(data: PlotInput) -> bytes:
     for ax in (states, peak):
         _mark_attempts(ax, data.spans, label_spans=ax is states)
         _legend(ax, loc="best", ncols=4, fontsize=8.5)
-    return _png(fig)
+    return fig
 
 
 def comm_bytes_png(data: PlotInput) -> bytes:
+    return _png(comm_bytes_figure(data))
+
+
+def comm_bytes_figure(data: PlotInput) -> Figure:
     points = data.points(STACK_POINTS)
     fig, (ax,) = _figure(data, points, "Collective traffic per step (bytes rank 0 moved)", rows=1, height=4.8)
     by_op = {op: points.column(f"bytes_{op}") / 1e6 for op in COLLECTIVES}
@@ -181,7 +202,7 @@ def comm_bytes_png(data: PlotInput) -> bytes:
     _mark_attempts(ax, data.spans, label_spans=True)
     _label(ax, "MB per step")
     _legend_outside(ax)
-    return _png(fig)
+    return fig
 
 
 FIGURES = {"loss.png": loss_png, "throughput.png": throughput_png, "step_time.png": step_time_png,

@@ -237,9 +237,10 @@ def load_at_another_world_size(optimizer: dict, path: str) -> dict:
             "losses": losses, "errors": {k: float(v.abs().sum()) for k, v in engine.tier.rank_state().items()}}
 
 
-def converge(optimizers: dict[str, dict], steps: int, micro: int) -> dict:
-    """Train the tiny GPT on the built-in byte corpus with each optimizer from the same start;
-    returns each run's per-step losses (averaged over ranks)."""
+def converge(optimizers: dict[str, dict], steps: int, micro: int, seed: int = 3) -> dict:
+    """Train the tiny GPT on the built-in byte corpus with each optimizer from the same start and on
+    the same batches (drawn with ``seed``); returns each run's per-step losses (averaged over
+    ranks), its traffic, its element count and the optimizer the config built."""
     import torch.distributed as dist
 
     import raydeep
@@ -251,7 +252,7 @@ def converge(optimizers: dict[str, dict], steps: int, micro: int) -> dict:
     out = {}
     for label, optimizer in optimizers.items():
         engine, *_ = raydeep.initialize(model=tiny_gpt(), config=gpt_config(optimizer, micro=micro, clip=1.0))
-        g = torch.Generator().manual_seed(3)
+        g = torch.Generator().manual_seed(seed)
         losses = []
         for _ in range(steps):
             ids = torch.randint(0, len(data), (micro * world,), generator=g)[rank * micro:(rank + 1) * micro]
@@ -263,5 +264,9 @@ def converge(optimizers: dict[str, dict], steps: int, micro: int) -> dict:
             t = loss.detach().double().reshape(1)
             dist.all_reduce(t)
             losses.append(t.item() / world)
-        out[label] = {"losses": losses, "phase": engine.tier.phase, "comm": engine.comm_stats()}
+        optimizer = engine.tier.shards.optimizer  # what the config built: the test checks it is the one meant
+        out[label] = {"losses": losses, "phase": engine.tier.phase, "comm": engine.comm_stats(),
+                      "numel": sum(u.local.numel() for u in engine.strategy.units),
+                      "optimizer": type(optimizer).__name__,
+                      "hyperparameters": {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}}
     return out

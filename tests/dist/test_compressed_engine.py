@@ -2,12 +2,13 @@
 
 - the engine against the N-worker reference over the warm-up and the compressed stage;
 - the bytes of a compressed step against the fp32 all-reduce of the same model, counted by
-  raydeep's CommStats and, independently, by wrapping torch.distributed.
+  raydeep's CommStats and, independently, by wrapping torch.distributed;
+- a reload in the compressed stage, at the same and at another world size;
+- training: each compressed optimizer against the uncompressed one it replaces (Adam, LAMB).
 """
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.dist.compression_workloads import engine_against_reference, load_at_another_world_size, reload_in_compressed_stage
 from tests.dist.harness import run_ranks
@@ -76,55 +77,96 @@ def test_a_reload_in_the_compressed_stage_continues_the_same_trajectory(name, tm
     assert other["errors"] and all(v > 0 for k, v in other["errors"].items() if "error" in k)
 
 
-CONVERGENCE_STEPS, BETAS = 300, [0.9, 0.99]
+# --- convergence against the uncompressed optimizers ------------------------------------------------
+# Two ranks, the tiny GPT on the built-in corpus, 200 steps; every run starts from the same weights
+# and sees the same batches. beta2 = 0.99 so the variance settles within a warm-up this short.
+# Named apart from STEPS, the reference tests' length above.
+CONVERGENCE_WORLD, CONVERGENCE_STEPS, MICRO, BETAS = 2, 200, 4, [0.9, 0.99]
+FREEZE = 60  # 1-bit Adam and 1-bit LAMB compress from here: 70% of the steps
+WINDOW = 20  # the final loss is the mean over the last steps (same batches in every run: paired)
+# Not a rounding bound but the claim itself. The compressed optimizers differ from Adam and LAMB by
+# design: no bias correction, the variance frozen at FREEZE (0/1 Adam: refreshed ever more rarely,
+# then frozen), and the momentum averaged at 1 bit per element with error feedback; so on a run
+# this short they learn a little less, and keeping 85% of the loss reduction of the uncompressed
+# optimizer is what "converges with it" means here. What the bound separates: an exchange that
+# breaks training (a missing 1/world, a wrong scale) diverges, and 1-bit Adam without its error
+# feedback keeps 82-84%; working, 1-bit Adam keeps 95-97% and 0/1 Adam 91-95% over three data
+# orders (seeds 3, 4, 5), and a CPU's rounding moves a trajectory far less than a new data order.
+KEEP = 0.85
+# Logical bytes of a compressed step, per chunk of n elements: n/8 of signs out, n/8 of server
+# signs gathered, 2 x world fp32 scales, the signs padded to a multiple of world x lcm(world, 8)
+# elements (bits.padded_size); against the 4n of the fp32 all-reduce: 1/16, plus, for this model's
+# 4 chunks at 2 ranks, at most 4 x (2 + 2 + 16) bytes and the 8-byte float64 gradient norm, below
+# 1% of n/4 (n ~ 1.2e5 elements).
+COMPRESSED_SHARE = 1 / 16 * 1.01
 
 
-def test_compressed_optimizers_converge_within_three_percent_of_the_same_update_uncompressed():
-    """World size 4, the tiny GPT on the built-in corpus, 300 steps. The uncompressed run is
-    DeepSpeed's Adam update without compression (1-bit Adam that never freezes: no bias
-    correction, like every phase of both compressed optimizers). beta2 = 0.99 so the variance
-    settles within the warm-up of a run this short (1-bit Adam freezes it at 15% of the steps).
-    Also prints the communication saved over the whole run, warm-up included."""
+def final_loss(run: dict) -> float:
+    return sum(run["losses"][-WINDOW:]) / WINDOW
+
+
+def assert_converges_with(runs: dict, name: str, baseline: str) -> None:
+    first = runs[baseline]["losses"][0]  # before any update: the same weights and batch in every run
+    learnt, kept = first - final_loss(runs[baseline]), first - final_loss(runs[name])
+    print(f"{name}: final loss {final_loss(runs[name]):.4f} vs {final_loss(runs[baseline]):.4f} for {baseline}, "
+          f"{kept / learnt:.1%} of its loss reduction from {first:.4f}")
+    assert final_loss(runs[baseline]) < 0.6 * first, runs[baseline]["losses"][-WINDOW:]  # the task is learnt
+    assert runs[name]["phase"] == "compressed"
+    assert kept >= KEEP * learnt, (name, kept / learnt)
+
+
+def assert_traffic(runs: dict, name: str, baseline: str, exact_steps: int) -> None:
+    """The baseline all-reduces every fp32 gradient once a step (4 bytes per element); the
+    compressed run does so for at most ``exact_steps`` steps and moves at most COMPRESSED_SHARE of
+    that on every other step."""
+    fp32_step = 4 * runs[baseline]["numel"]
+    total = {k: sum(op["bytes"] for op in runs[k]["comm"].values()) for k in (baseline, name)}
+    assert runs[baseline]["comm"]["all_reduce"]["bytes"] == total[baseline] == CONVERGENCE_STEPS * fp32_step
+    bound = exact_steps * fp32_step + (CONVERGENCE_STEPS - exact_steps) * COMPRESSED_SHARE * fp32_step
+    print(f"{name}: {total[name] / total[baseline]:.3f} of the bytes of {baseline} "
+          f"({total[baseline] / total[name]:.1f}x less), bound {bound / total[baseline]:.3f}")
+    assert total[name] <= bound, (name, total[name], bound, runs[name]["comm"])
+
+
+def assert_uncompressed(run: dict, optimizer: str, common: dict) -> None:
+    """The baseline is the uncompressed optimizer the config names, with the shared hyperparameters."""
+    assert run["optimizer"] == optimizer and run["phase"] is None, (run["optimizer"], run["phase"])
+    assert run["hyperparameters"] == {"lr": common["lr"], "betas": tuple(common["betas"]), "eps": 1e-8,
+                                      "weight_decay": 0.0}
+
+
+def test_compressed_adams_converge_with_adam_on_a_fraction_of_its_bytes():
+    """1-bit Adam and 0/1 Adam against Adam (raydeep's ``"Adam"``: torch's AdamW, with no weight
+    decay here) with the same learning rate and betas."""
     from tests.dist.compression_workloads import converge
 
     common = {"lr": 2e-3, "betas": BETAS}
+    var_freeze = CONVERGENCE_STEPS // 2
     optimizers = {
-        "uncompressed": {"type": "OneBitAdam", "params": {**common, "freeze_step": 10 ** 9}},
-        "OneBitAdam": {"type": "OneBitAdam", "params": {**common, "freeze_step": 45}},
-        "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {**common, "var_freeze_step": 150, "var_update_scaler": 16,
-                                                          "local_step_scaler": 100, "local_step_clipper": 2}},
+        "Adam": {"type": "Adam", "params": common},
+        "OneBitAdam": {"type": "OneBitAdam", "params": {**common, "freeze_step": FREEZE}},
+        "ZeroOneAdam": {"type": "ZeroOneAdam", "params": {**common, "var_freeze_step": var_freeze,
+                                                          "var_update_scaler": 16, "local_step_scaler": 100,
+                                                          "local_step_clipper": 2}},
     }
-    runs = run_ranks(converge, 4, optimizers, CONVERGENCE_STEPS, 4)[0]
-    final = {k: sum(v["losses"][-20:]) / 20 for k, v in runs.items()}
-    total = {k: sum(op["bytes"] for op in v["comm"].values()) for k, v in runs.items()}
+    runs = run_ranks(converge, CONVERGENCE_WORLD, optimizers, CONVERGENCE_STEPS, MICRO)[0]
+    assert_uncompressed(runs["Adam"], "AdamW", common)
     for name in ("OneBitAdam", "ZeroOneAdam"):
-        print(f"{name}: final loss {final[name]:.4f} vs {final['uncompressed']:.4f} uncompressed "
-              f"({final[name] / final['uncompressed'] - 1:+.2%}); bytes over the run "
-              f"{total[name] / total['uncompressed']:.3f}x ({total['uncompressed'] / total[name]:.1f}x less)")
-        assert runs[name]["phase"] == "compressed"
-        assert final[name] <= 1.03 * final["uncompressed"], final
-    assert final["uncompressed"] < 0.5 * runs["uncompressed"]["losses"][0]  # the task is learnt
+        assert_converges_with(runs, name, "Adam")
+    # 1-bit Adam's first FREEZE steps are exact; 0/1 Adam's exact variance refreshes all come
+    # before var_freeze_step, and after it every exchange is compressed.
+    assert_traffic(runs, "OneBitAdam", "Adam", FREEZE)
+    assert_traffic(runs, "ZeroOneAdam", "Adam", var_freeze)
 
 
-def test_onebit_lamb_converges_within_three_percent_of_lamb():
-    """The same task for 1-bit LAMB against its own warm-up update run uncompressed to the end
-    (DeepSpeed's LAMB: no bias correction, the trust ratio clamped per parameter), freezing at
-    15% of the steps. raydeep's ``Lamb`` (FusedLamb's update) is printed beside them."""
+def test_onebit_lamb_converges_with_lamb_on_a_fraction_of_its_bytes():
+    """1-bit LAMB against raydeep's ``Lamb`` (FusedLamb's update) with the same learning rate and betas."""
     from tests.dist.compression_workloads import converge
 
     common = {"lr": 2e-2, "betas": BETAS}
-    optimizers = {
-        "uncompressed": {"type": "OneBitLamb", "params": {**common, "freeze_step": 10 ** 9}},
-        "OneBitLamb": {"type": "OneBitLamb", "params": {**common, "freeze_step": 45}},
-        "Lamb": {"type": "Lamb", "params": common},
-    }
-    runs = run_ranks(converge, 4, optimizers, CONVERGENCE_STEPS, 4)[0]
-    final = {k: sum(v["losses"][-20:]) / 20 for k, v in runs.items()}
-    total = {k: sum(op["bytes"] for op in v["comm"].values()) for k, v in runs.items()}
-    print(f"OneBitLamb: final loss {final['OneBitLamb']:.4f} vs {final['uncompressed']:.4f} uncompressed "
-          f"({final['OneBitLamb'] / final['uncompressed'] - 1:+.2%}; raydeep Lamb {final['Lamb']:.4f}); bytes over "
-          f"the run {total['OneBitLamb'] / total['uncompressed']:.3f}x "
-          f"({total['uncompressed'] / total['OneBitLamb']:.1f}x less)")
-    assert runs["OneBitLamb"]["phase"] == "compressed" and runs["uncompressed"]["phase"] == "warm-up"
-    assert final["OneBitLamb"] <= 1.03 * final["uncompressed"], final
-    assert final["uncompressed"] < 0.5 * runs["uncompressed"]["losses"][0]  # the task is learnt
+    optimizers = {"Lamb": {"type": "Lamb", "params": common},
+                  "OneBitLamb": {"type": "OneBitLamb", "params": {**common, "freeze_step": FREEZE}}}
+    runs = run_ranks(converge, CONVERGENCE_WORLD, optimizers, CONVERGENCE_STEPS, MICRO)[0]
+    assert_uncompressed(runs["Lamb"], "Lamb", common)
+    assert_converges_with(runs, "OneBitLamb", "Lamb")
+    assert_traffic(runs, "OneBitLamb", "Lamb", FREEZE)

@@ -278,30 +278,8 @@ def test_lamb_matches_deepspeed_fused_lamb_math():
     assert torch.allclose(w.detach(), w_ref, rtol=1e-6, atol=1e-7)
 
 
-# Not a peer skip: FusedLamb is a CUDA kernel with no CPU implementation (its math is compared on
-# CPU above, through DeepSpeed's torch port), so this runs with the GPU tests (-m gpu).
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's FusedLamb is a CUDA kernel; no CUDA device")
-def test_lamb_matches_deepspeed_fused_lamb_kernel():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed")
-    from deepspeed.ops.lamb import FusedLamb
-
-    if not torch.cuda.is_available():
-        pytest.skip("DeepSpeed's FusedLamb is a CUDA kernel; no CUDA device here")
-    w_ds = torch.nn.Parameter(torch.tensor([1.0, 2.0, 2.0], device="cuda"))
-    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 2.0], device="cuda"))
-    try:
-        ds = FusedLamb([w_ds], lr=0.05)
-    except Exception as exc:  # the JIT build needs nvcc
-        pytest.skip(f"FusedLamb could not be built: {exc}")
-    ours = Lamb([w], lr=0.05)
-    for g in ([0.5, -1.0, 2.0], [-0.3, 0.2, 1.0]):
-        w_ds.grad = torch.tensor(g, device="cuda")
-        w.grad = w_ds.grad.clone()
-        ds.step()
-        ours.step()
-    assert torch.allclose(w, w_ds, rtol=1e-5, atol=1e-6)
+# DeepSpeed's FusedLamb CUDA kernel itself (no CPU implementation) is compared in
+# tests/gpu/test_gpu_optimizers.py, run with -m gpu.
 
 
 def test_lamb_defaults_match_deepspeed():

@@ -13,6 +13,7 @@ import socket
 import struct
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -131,6 +132,119 @@ def test_report_of_a_finished_elastic_run(capsys, finished_run):
     assert "| Median step time |" in text and "| Median tokens/s |" in text
     assert "| all-gather per step (median) | 960.00 MB (run total 19.20 GB) |" in text
     assert "still running" not in text
+
+
+# --- what the figures show ----------------------------------------------------------------------
+# The synthetic run has 20 steps, far below the points a figure averages down to, so every point is
+# one step's value, scaled (ms, GB, MB, %): equal to the rows' numbers up to that one rounding.
+RTOL = 1e-12
+
+
+def figure_input(run):
+    from raydeep.report.plots import PlotInput
+    from raydeep.report.run_data import load_run
+
+    loaded = load_run(Storage.open(str(run)))
+    return PlotInput(run_name=loaded.name, metrics=loaded.metrics, spans=loaded.spans)
+
+
+def curves(ax) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """The data lines of ``ax`` by legend label, one (steps, values) piece per attempt: a series
+    is drawn as its labelled first piece followed by its unlabelled continuations."""
+    out, label = {}, None
+    for line in ax.lines:
+        if line.get_transform() is not ax.transData:
+            continue  # a restart marker, drawn in axes-fraction height
+        if not line.get_label().startswith("_"):
+            label = line.get_label()
+        out.setdefault(label, []).append((np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)))
+    return out
+
+
+def bands(ax) -> dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """The stacked areas of ``ax`` by legend label, one (steps, bottom, top) per attempt: each
+    attempt's stack is drawn whole, the first one labelled."""
+    stacks = ax.collections
+    labels = [c.get_label() for c in stacks if not c.get_label().startswith("_")]
+    out = {}
+    for i, collection in enumerate(stacks):
+        vertices = np.concatenate([path.vertices for path in collection.get_paths()])
+        steps = np.unique(vertices[:, 0])
+        low = np.array([vertices[vertices[:, 0] == x, 1].min() for x in steps])
+        high = np.array([vertices[vertices[:, 0] == x, 1].max() for x in steps])
+        out.setdefault(labels[i % len(labels)], []).append((steps, low, high))
+    return out
+
+
+def by_attempt(rows: list[dict], value) -> list[tuple[np.ndarray, np.ndarray]]:
+    pieces = {}
+    for row in rows:
+        steps, values = pieces.setdefault(row["attempt"], ([], []))
+        steps.append(row["step"])
+        values.append(np.nan if value(row) is None else value(row))
+    return [(np.array(s, float), np.array(v, float)) for s, v in pieces.values()]
+
+
+def assert_pieces(drawn, expected, what) -> None:
+    assert len(drawn) == len(expected), what  # one piece per attempt: a restart is a gap
+    for (x, y), (want_x, want_y) in zip(drawn, expected):
+        np.testing.assert_array_equal(x, want_x, err_msg=what)
+        np.testing.assert_allclose(y, want_y, rtol=RTOL, err_msg=what)  # NaN where the rows have none
+
+
+def assert_stack(ax, rows, parts: list[tuple[str, callable]]) -> None:
+    """``parts`` (legend label start, value) stacked bottom up in that order, per attempt."""
+    drawn = bands(ax)
+    assert len(drawn) == len(parts), list(drawn)
+    below = by_attempt(rows, lambda row: 0.0)
+    for start, value in parts:
+        [label] = [label for label in drawn if label.startswith(start + " (mean ")]
+        mine = by_attempt(rows, lambda row: value(row) or 0.0)  # a missing value stacks as zero
+        for (x, low, high), (want_x, base), (_, add) in zip(drawn[label], below, mine):
+            np.testing.assert_array_equal(x, want_x, err_msg=label)
+            np.testing.assert_allclose(low, base, rtol=RTOL, atol=1e-12, err_msg=label)
+            np.testing.assert_allclose(high, base + add, rtol=RTOL, atol=1e-12, err_msg=label)
+        below = [(x, base + add) for (x, base), (_, add) in zip(below, mine)]
+
+
+def test_the_figures_draw_the_metrics(finished_run):
+    from raydeep.report import plots
+
+    rows = metric_rows(0, 2, range(1, 11)) + metric_rows(1, 3, range(11, 21))
+    data = figure_input(finished_run)
+
+    [ax] = plots.loss_figure(data).axes
+    assert ax.get_ylabel() == "loss" and ax.get_xlabel() == "global step"
+    assert_pieces(curves(ax)["loss (mean over ranks)"], by_attempt(rows, lambda r: r["loss"]), "loss")
+
+    speed, mfu = plots.throughput_figure(data).axes
+    assert_pieces(curves(speed)["tokens/s"], by_attempt(rows, lambda r: r["tokens_per_s"]), "tokens/s")
+    [samples] = speed.child_axes  # samples/s is tokens/s over the sequence: a second scale, not a line
+    assert speed.get_ylabel() == "tokens/s" and samples.get_ylabel() == f"samples/s (= tokens/s ÷ {SEQ})"
+    assert_pieces(curves(mfu)["MFU"], by_attempt(rows, lambda r: 100 * r["mfu"]), "MFU")
+
+    [ax] = plots.step_time_figure(data).axes
+    assert ax.get_ylabel() == "time per step (ms)"  # every step is under a second
+    parts = [(label, lambda r, c=column: 1e3 * r[c]) for label, column in (
+        ("forward", "forward_s"), ("backward", "backward_s"), ("comm wait", "comm_wait_s"),
+        ("optimizer", "optimizer_s"), ("checkpoint", "checkpoint_s"), ("other", "other_s"))]
+    assert_stack(ax, rows, parts)
+    [(label, whole)] = [(k, v) for k, v in curves(ax).items() if k.startswith("whole step with its save")]
+    assert_pieces(whole, by_attempt(rows, lambda r: 1e3 * (r["step_s"] + r["checkpoint_s"])), label)
+    mean_forward = 1e3 * sum(r["forward_s"] for r in rows) / len(rows)
+    assert f"forward (mean {mean_forward:.3g} ms)" in bands(ax)
+
+    states, peak = plots.memory_figure(data).axes
+    assert (states.get_ylabel(), peak.get_ylabel()) == ("model states (GB)", "allocator peak during the step (GB)")
+    for ax, column in ((states, "model_state_bytes"), (peak, "peak_memory_bytes")):
+        for rank in range(3):  # the first attempt had 2 ranks: rank 2's line is a gap there
+            value = lambda r, c=column, k=rank: r[c][k] / 1e9 if r[c] and k < len(r[c]) else None  # noqa: E731
+            assert_pieces(curves(ax)[f"rank {rank}"], by_attempt(rows, value), (column, rank))
+
+    [ax] = plots.comm_bytes_figure(data).axes
+    assert ax.get_ylabel() == "MB per step"
+    assert_stack(ax, rows, [(op.replace("_", "-"), lambda r, o=op: None if r[f"bytes_{o}"] is None else
+                             r[f"bytes_{o}"] / 1e6) for op in ("all_reduce", "reduce_scatter", "all_gather")])
 
 
 def test_report_of_a_run_still_going(capsys, tmp_path):

@@ -26,42 +26,98 @@ def test_a_set_timeout_applies_to_every_step():
     assert step_timeout([10.0], min_timeout_s=60, fixed_s=2.0) == 2.0
 
 
-def nap_in_step(seconds: float) -> None:
-    time.sleep(seconds)
+class SteppedClock:
+    """Stands in for the watchdog module's ``time``: ``monotonic()`` moves only when the test moves
+    it, so what the watchdog sees does not depend on how a loaded machine schedules its thread
+    (every other attribute is the real ``time`` module's). It counts the watchdog's checks, so a
+    test can wait until the watchdog has looked at the moved clock."""
+
+    def __init__(self):
+        self.now = 1000.0  # a multiple of 1/8 far from 0: sums of eighths stay exact
+        self.checks, self._turn = 0, threading.Condition()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def watch(self, watchdog: StepWatchdog) -> None:
+        original = watchdog.check
+
+        def check():  # the watchdog's thread looks up self.check on every pass
+            try:
+                return original()
+            finally:
+                with self._turn:
+                    self.checks += 1
+                    self._turn.notify_all()
+        watchdog.check = check
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock, then wait for two whole checks: the first may have read the clock
+        before it moved, the second cannot have. The wait's limit is no timing assertion: it only
+        keeps a watchdog that stopped checking from hanging the test."""
+        with self._turn:
+            self.now += seconds
+            target = self.checks + 2
+            assert self._turn.wait_for(lambda: self.checks >= target, timeout=60), "the watchdog stopped checking"
 
 
-def test_a_long_step_is_reported_once_and_short_steps_never():
+def stepped_watchdog(monkeypatch, sink, timeout_s: float) -> tuple[StepWatchdog, SteppedClock]:
+    from raydeep.ray import watchdog as module
+
+    clock = SteppedClock()
+    monkeypatch.setattr(module, "time", clock)
+    watchdog = StepWatchdog(sink, step_timeout_s=timeout_s, min_step_timeout_s=0, interval_s=0.005)
+    clock.watch(watchdog)
+    return watchdog, clock
+
+
+def nap_in_step(clock: SteppedClock, *seconds: float) -> None:
+    """The step's work as the watchdog sees it: the clock moves by each of ``seconds`` in turn,
+    each seen by the watchdog, while this frame is on the step's thread's stack."""
+    for s in seconds:
+        clock.advance(s)
+
+
+def test_a_long_step_is_reported_once_and_short_steps_never(monkeypatch):
     reported = []
-    watchdog = StepWatchdog(reported.append, step_timeout_s=0.3, min_step_timeout_s=0, interval_s=0.02)
+    # The timeout and the naps are multiples of 1/8: the elapsed times the watchdog computes are exact.
+    watchdog, clock = stepped_watchdog(monkeypatch, reported.append, timeout_s=0.25)
     try:
         for step in (1, 2, 3):
             watchdog.step_started(step)
-            nap_in_step(0.05)
-            watchdog.step_finished(0.05)
+            nap_in_step(clock, 0.125)
+            watchdog.step_finished(0.125)
         watchdog.step_started(4)
-        nap_in_step(0.8)  # several checks past the timeout: still one report
-        watchdog.step_finished(0.8)
+        # At exactly the timeout a step is not hung yet; an eighth later it is; checks at three
+        # more eighths past that must not report it again.
+        nap_in_step(clock, *[0.125] * 6)
+        watchdog.step_finished(0.75)
         watchdog.step_started(5)
-        nap_in_step(0.05)
-        watchdog.step_finished(0.05)
+        nap_in_step(clock, 0.125)
+        watchdog.step_finished(0.125)
     finally:
         watchdog.stop()
     assert [hang.step for hang in reported] == [4]
     hang = reported[0]
-    assert 0.3 < hang.elapsed_s < 0.8 and hang.timeout_s == 0.3
+    # Every check saw every clock value, so the report came at the first one past the timeout:
+    # an early report says 0.25 or less, a late one more than 0.375.
+    assert hang.elapsed_s == 0.375 and hang.timeout_s == 0.25
     name, stack = hang.stacks[0]  # the thread that ran the step comes first
     assert name == threading.current_thread().name and "in nap_in_step" in stack
     assert all("raydeep-step-watchdog" != n for n, _ in hang.stacks)
 
 
-def test_a_failing_sink_never_reaches_training(caplog):
+def test_a_failing_sink_never_reaches_training(monkeypatch, caplog):
     def broken(hang):
         raise RuntimeError("sink down")
 
-    watchdog = StepWatchdog(broken, step_timeout_s=0.05, min_step_timeout_s=0, interval_s=0.02)
+    watchdog, clock = stepped_watchdog(monkeypatch, broken, timeout_s=0.125)
     watchdog.step_started(1)
-    nap_in_step(0.2)
-    watchdog.step_finished(0.2)
+    nap_in_step(clock, 0.25)
+    watchdog.step_finished(0.25)
     watchdog.stop()
     assert "failed to report" in caplog.text
 
@@ -78,14 +134,14 @@ class FakeMonitor:
 
 
 @pytest.fixture
-def reported_hang(tmp_path):
+def reported_hang(tmp_path, monkeypatch):
     monitor = FakeMonitor()
     reporter = HangReporter(str(tmp_path / "run"), rank=1, monitor=monitor, token="t0")
     reporter.attempt = 2
-    watchdog = StepWatchdog(reporter, step_timeout_s=0.1, min_step_timeout_s=0, interval_s=0.02)
+    watchdog, clock = stepped_watchdog(monkeypatch, reporter, timeout_s=0.1)
     watchdog.step_started(7)
-    nap_in_step(0.4)
-    watchdog.step_finished(0.4)
+    nap_in_step(clock, 0.25)
+    watchdog.step_finished(0.25)
     watchdog.stop()
     return tmp_path / "run", monitor
 
