@@ -33,7 +33,7 @@ WORLD, MICRO, GAS = 2, 4, 2
 CASES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), ("3p", "none"), (3, "attention"), (1, "block")]
 MODEL_STATES = ("params", "grads", "master", "optimizer_states")
 # On the wire: gloo's reduce-scatters and all-gathers are exchanges of point-to-point sends
-# (raydeep.exchange), so they are compared together; a receive is the other end of a send.
+# (raydeep.comm.exchange), so they are compared together; a receive is the other end of a send.
 WIRE_GROUP = {"all_reduce": "all-reduce", "broadcast": "broadcast", "reduce_scatter": "exchange",
               "all_gather": "exchange", "send": "exchange", "irecv": None}
 

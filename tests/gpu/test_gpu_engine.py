@@ -114,7 +114,7 @@ def devices_on_gpu() -> dict:
     optimizer = engine.tier.torch_optimizer
     masters = [p for group in optimizer.param_groups for p in group["params"]]
     states = [t for p in masters for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
-    held = {"parameters": list(engine.module.parameters()), "gradient shards": [u.grad for u in engine.strategy.units],
+    held = {"parameters": list(engine.module.parameters()), "gradient shards": engine.strategy.grad_shards(),
             "masters": masters, "optimizer states": states}
     return {"device": str(engine.device), "local_rank": int(os.environ["LOCAL_RANK"]),
             "current": torch.cuda.current_device(),
