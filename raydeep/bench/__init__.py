@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     bench.add_argument("--seq", type=int, default=128)
     bench.add_argument("--micro-batch", type=int, default=4, help="per rank")
     bench.add_argument("--gas", type=int, default=2, help="gradient accumulation steps")
+    bench.add_argument("--lr", type=float, default=1e-4, help="every contender's AdamW learning rate")
     bench.add_argument("--bucket", type=int, default=500_000, help="reduce/all-gather bucket in elements (and DDP's)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     bench.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",

@@ -43,7 +43,7 @@ class Contender:
 
 
 def ds_config(micro_batch: int, gas: int, stage: int, bucket: int, overlap: bool | None,
-              deepspeed: bool = False, dtype: str = "fp32") -> dict:
+              deepspeed: bool = False, dtype: str = "fp32", lr: float = LR) -> dict:
     """The one ds_config raydeep and DeepSpeed read (the torch peers use its batch, clip and
     optimizer). DeepSpeed's also bounds its all-gather buckets by ``bucket``; raydeep all-gathers
     each unit whole (and would warn that the key has no effect). ``dtype="bf16"`` turns on
@@ -56,7 +56,7 @@ def ds_config(micro_batch: int, gas: int, stage: int, bucket: int, overlap: bool
     precision = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": gas,
             "gradient_clipping": CLIP, **precision,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
             "zero_optimization": zero}
 
 
@@ -136,18 +136,18 @@ def _torch_step(model, optimizer, micro_batches, no_sync, autocast: bool = False
     return total / len(micro_batches)
 
 
-def ddp_contender(model, bucket: int, zero_optimizer: bool = False, bf16: bool = False) -> Contender:
+def ddp_contender(model, bucket: int, zero_optimizer: bool = False, bf16: bool = False, lr: float = LR) -> Contender:
     """DDP (or DDP with ZeRO-1's optimizer) on fp32 weights; ``bf16``: its forward autocast to bf16."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket * 4 / 2**20)
     if zero_optimizer:
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr,
                                             weight_decay=WEIGHT_DECAY)
         states = lambda: optimizer.optim.state  # noqa: E731 - the shard this rank updates
     else:
-        optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=True)
         states = lambda: optimizer.state  # noqa: E731
     held = {}
 
@@ -162,7 +162,8 @@ def ddp_contender(model, bucket: int, zero_optimizer: bool = False, bf16: bool =
     return Contender(name, family, stage, step, lambda: held.get("bytes"))
 
 
-def fsdp2_contender(model, world: int, reshard_after_forward: bool, bf16: bool = False) -> Contender:
+def fsdp2_contender(model, world: int, reshard_after_forward: bool, bf16: bool = False,
+                    lr: float = LR) -> Contender:
     """FSDP2; ``bf16``: its mixed-precision policy with bf16 parameters and gradient reduction
     (fp32 sharded weights), what DeepSpeed's bf16 does."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -174,7 +175,7 @@ def fsdp2_contender(model, world: int, reshard_after_forward: bool, bf16: bool =
     for block in model.blocks:  # one unit per block, like raydeep's and DeepSpeed's stage 3
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY)
     held = {}
 
     @contextlib.contextmanager

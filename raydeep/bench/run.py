@@ -46,15 +46,16 @@ def build_model(opts):
 def build(opts, family: str, stage: int, overlap) -> engines.Contender:
     model, world = build_model(opts), torch.distributed.get_world_size()
     cfg = engines.ds_config(opts.micro_batch, opts.gas, stage, opts.bucket, overlap, deepspeed=family == "deepspeed",
-                            dtype=opts.dtype)
+                            dtype=opts.dtype, lr=opts.lr)
     if family == "raydeep":
         return engines.raydeep_contender(model, cfg, stage, overlap)
     if family == "deepspeed":
         return engines.deepspeed_contender(model, cfg, stage)
     if family in ("ddp", "torch-zero"):
         return engines.ddp_contender(model, opts.bucket, zero_optimizer=family == "torch-zero",
-                                     bf16=opts.dtype == "bf16")
-    return engines.fsdp2_contender(model, world, reshard_after_forward=stage == 3, bf16=opts.dtype == "bf16")
+                                     bf16=opts.dtype == "bf16", lr=opts.lr)
+    return engines.fsdp2_contender(model, world, reshard_after_forward=stage == 3, bf16=opts.dtype == "bf16",
+                                  lr=opts.lr)
 
 
 def batches(micro_batch: int, gas: int, seq: int, rank: int, world: int, steps: int,

@@ -29,14 +29,18 @@ def async_vs_sync(directory: str, stage: int, slow_copy_s: float) -> int:
     def slow_copy(self):
         time.sleep(slow_copy_s)
         copy(self)
+    # Restored after: the pooled rank (tests.dist.harness) runs later workloads, whose saves
+    # would each sleep too (and a second call would wrap the slow copy in another sleep).
     snapshot.RankSnapshot.copy_tensors = slow_copy
-
-    engine = build(stage)
-    run_steps(engine, 2, GLOBAL_BATCH)
-    engine.save_checkpoint(f"{directory}/sync")
-    engine.save_checkpoint(f"{directory}/async", async_save=True)
-    run_steps(engine, 4, GLOBAL_BATCH, skip=2)
-    engine.destroy()
+    try:
+        engine = build(stage)
+        run_steps(engine, 2, GLOBAL_BATCH)
+        engine.save_checkpoint(f"{directory}/sync")
+        engine.save_checkpoint(f"{directory}/async", async_save=True)
+        run_steps(engine, 4, GLOBAL_BATCH, skip=2)
+        engine.destroy()
+    finally:
+        snapshot.RankSnapshot.copy_tensors = copy
     return engine.global_steps
 
 
@@ -65,16 +69,19 @@ def save_with_rank_tags(directory: str, mode: str):
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("raydeep").addHandler(handler)
-    config = layout_config(2, comm.world_size())
-    config["checkpoint"] = {"tag_validation": mode}
-    engine, *_ = raydeep.initialize(model=tiny_gpt(), config=config)
-    run_steps(engine, 1, GLOBAL_BATCH)
     try:
-        engine.save_checkpoint(directory, tag=f"mine{comm.rank()}", async_save=True)
-        engine.wait_for_checkpoint()
-    except CheckpointError as err:
-        return {"error": str(err)}
-    return {"error": None, "warnings": [r for r in records if "differs" in r]}
+        config = layout_config(2, comm.world_size())
+        config["checkpoint"] = {"tag_validation": mode}
+        engine, *_ = raydeep.initialize(model=tiny_gpt(), config=config)
+        run_steps(engine, 1, GLOBAL_BATCH)
+        try:
+            engine.save_checkpoint(directory, tag=f"mine{comm.rank()}", async_save=True)
+            engine.wait_for_checkpoint()
+        except CheckpointError as err:
+            return {"error": str(err)}
+        return {"error": None, "warnings": [r for r in records if "differs" in r]}
+    finally:
+        logging.getLogger("raydeep").removeHandler(handler)  # the pooled rank runs other workloads
 
 
 def test_tag_mismatch_fails_every_rank_in_fail_mode(tmp_path):

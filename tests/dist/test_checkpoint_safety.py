@@ -3,6 +3,7 @@ loading never unpickles."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -12,16 +13,28 @@ import torch
 from raydeep.checkpoint import CheckpointReader
 from raydeep.checkpoint import format as fmt
 from tests.dist import checkpoint_crash
-from tests.dist.harness import free_port, run_ranks
+from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _crash(directory, point):
-    env = {**os.environ, "CRASH_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    return subprocess.run([sys.executable, "-m", "tests.dist.checkpoint_crash", str(directory), point], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+def _distinct_ports(n: int) -> list[int]:
+    """``n`` free ports, all different (each held until all are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _crash(directory, point, port: int) -> subprocess.Popen:
+    env = {**os.environ, "CRASH_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "tests.dist.checkpoint_crash", str(directory), point], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def load_params(directories: list[str], stage: int) -> list[dict]:
@@ -37,14 +50,17 @@ def load_params(directories: list[str], stage: int) -> list[dict]:
 
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
-    directories = []
-    for point in checkpoint_crash.POINTS:
-        directory = tmp_path / point
-        done = _crash(directory, point)
-        assert done.returncode == checkpoint_crash.KILLED, (point, done.stderr[-3000:])
+    # The crashing processes are independent (a directory each): started together, so their
+    # imports share both cores instead of taking turns.
+    directories = [tmp_path / point for point in checkpoint_crash.POINTS]
+    ports = _distinct_ports(len(directories))
+    crashes = [_crash(*args) for args in zip(directories, checkpoint_crash.POINTS, ports)]
+    for point, directory, proc in zip(checkpoint_crash.POINTS, directories, crashes):
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == checkpoint_crash.KILLED, (point, err[-3000:])
         if point in ("first-file", "before-manifest"):
             assert not (directory / "doomed").exists()  # never visible under its own name
-        directories.append(str(directory))
+    directories = [str(d) for d in directories]
     loaded = run_ranks(load_params, 2, directories, 2)[0]
     for point, directory, got in zip(checkpoint_crash.POINTS, directories, loaded):
         reader = CheckpointReader.open(directory)
@@ -102,8 +118,12 @@ def load_without_unpickling(directory: str) -> int:
 
     def refuse(*args, **kwargs):
         raise AssertionError("checkpoint loading must not unpickle")
+    saved = torch.load, pickle.load
     torch.load = refuse
     pickle.load = refuse
-    engine = build(3)
-    engine.load_checkpoint(directory)
+    try:
+        engine = build(3)
+        engine.load_checkpoint(directory)
+    finally:
+        torch.load, pickle.load = saved  # the pooled rank (tests.dist.harness) runs other workloads
     return engine.global_steps

@@ -1,13 +1,15 @@
 """The same training as a Ray run, in plain gloo processes and without raydeep.ray's loop: the
 engine through ``raydeep.initialize``, the samples read straight from the documented order, the
-weights gathered with ``GatheredParameters``. A Ray run must reproduce it."""
+weights gathered with ``GatheredParameters``. A Ray run must reproduce it. (With bf16 weights a
+run's ``param_sha256`` is its fp32 masters': ``masters`` has them.)"""
 from __future__ import annotations
 
 import torch
 
 
 def train_plain(spec, steps: int) -> dict:
-    """Run on every rank of a gloo group (tests.dist.harness); returns full fp32 parameters and losses."""
+    """Run on every rank of a gloo group (tests.dist.harness); returns the full parameters (as fp32),
+    the fp32 masters and the losses."""
     import torch.distributed as dist
 
     import raydeep
@@ -15,6 +17,7 @@ def train_plain(spec, steps: int) -> dict:
     from raydeep.models import build_gpt
     from raydeep.ray.batch_plan import plan_batches
     from raydeep.ray.ledger import SampleOrder
+    from raydeep.ray.weights import consolidated_fp32
     from raydeep.zero import GatheredParameters
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -41,10 +44,10 @@ def train_plain(spec, steps: int) -> dict:
         losses.append(total / accum)
     with GatheredParameters(list(model.parameters())):
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return {"params": params, "losses": losses}
+    return {"params": params, "masters": consolidated_fp32(engine), "losses": losses}
 
 
-SLEEPY_CALL, SLEEPY_SECONDS = 3, 8.0  # rank 1's third forward (step 3) sleeps this long
+SLEEPY_CALL, SLEEPY_SECONDS = 3, 5.0  # rank 1's third forward (step 3) sleeps this long
 
 
 def sleepy_gpt():

@@ -36,27 +36,28 @@ def oom_gpt():
     return model
 
 
-def test_autotune_prunes_fails_and_writes_the_best(tmp_path, capsys):
+def this_jobs_placement_groups() -> list:
+    """Placement groups this driver's job (its Tune trials, their Train runs) created and did not remove."""
+    from ray.util.state import list_placement_groups
+
+    context = ray.get_runtime_context()
+    groups = list_placement_groups(address=context.gcs_address, detail=True,
+                                   filters=[("creator_job_id", "=", context.get_job_id())])
+    return [pg for pg in groups if pg.state != "REMOVED"]
+
+
+def test_autotune_prunes_fails_and_writes_the_best(connected, tmp_path, capsys):
+    """On the package's shared cluster (tests/ray/conftest.py), which holds both trials at once."""
     config = tmp_path / "ds.json"
     # World size 1, global batch 16, micro 4: the grid's first three are micro 4 (the config
     # itself), 16 (above the budget: pruned) and 8 (runs, and oom_gpt fails it).
     config.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                                   "zero_optimization": {"stage": 3}}))
-    if ray.is_initialized():
-        ray.shutdown()  # a connection left by an earlier module
-    ray.init(address="local", num_cpus=2, log_to_driver=False)  # one trial at a time: 1 CPU + a sliver
-    try:
-        code = main(["autotune", str(config), "--model", "tests.ray.test_autotune:oom_gpt", "--num-workers", "1",
-                     "--steps", "4", "--max-candidates", "3", "--memory-budget", "80MB",
-                     "--storage-path", str(tmp_path / "runs"), "--name", "at"])
-        from ray.util.state import list_placement_groups
-
-        # This cluster's: another test's may run on the machine too.
-        groups = list_placement_groups(address=ray.get_runtime_context().gcs_address)
-        left = [pg for pg in groups if pg.state != "REMOVED"]
-    finally:
-        ray.shutdown()
+    code = main(["autotune", str(config), "--model", "tests.ray.test_autotune:oom_gpt", "--num-workers", "1",
+                 "--steps", "4", "--max-candidates", "3", "--memory-budget", "80MB",
+                 "--storage-path", str(tmp_path / "runs"), "--name", "at"])
+    left = this_jobs_placement_groups()
     out, err = capsys.readouterr()
     print(out, err, sep="\n")
     assert code == 0

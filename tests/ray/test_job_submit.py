@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray._common.utils import get_ray_address_file
 
 from raydeep.data import builtin_dataset
 from raydeep.ray.ledger import SampleOrder, expected_digest
@@ -31,18 +32,52 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def head():
-    """A Ray head with the dashboard (the job server); yields its address for ``ray job``."""
+    """A Ray head with the dashboard (the job server); yields its address for ``ray job``. It runs
+    beside the package's shared cluster (tests/ray/conftest.py), so it is stopped by its own
+    processes, not ``ray stop`` (which stops every Ray process on the machine)."""
     if ray.is_initialized():
         ray.shutdown()  # a connection left by an earlier module
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "disabled"}
-    dashboard_port = free_port()
-    subprocess.run([BIN / "ray", "start", "--head", f"--port={free_port()}", f"--dashboard-port={dashboard_port}",
-                    "--dashboard-host=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True)
+    address_file = Path(get_ray_address_file(None))
+    previous_address = address_file.read_text() if address_file.is_file() else None
+    gcs_port, dashboard_port = free_port(), free_port()
     try:
+        # Every port on a free one: Ray's defaults may be taken by the shared cluster or another Ray.
+        subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dashboard_port}",
+                        "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={free_port()}",
+                        f"--ray-client-server-port={free_port()}", "--num-cpus=2", "--disable-usage-stats"],
+                       env=env, check=True, capture_output=True)
         yield f"http://127.0.0.1:{dashboard_port}", env
     finally:
-        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+        stop_head(gcs_port)
+        # `ray start` pointed `ray.init()` on this machine at its head; point it back.
+        if previous_address is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(previous_address)
+
+
+def stop_head(gcs_port: int) -> None:
+    """SIGKILL the processes of the Ray head whose GCS listens on ``gcs_port`` (each names that
+    address or port on its command line), with the processes they started."""
+    import psutil
+
+    def of_this_head(args: list[str]) -> bool:
+        return any(arg.endswith(f":{gcs_port}") or arg == f"--gcs_server_port={gcs_port}" for arg in args)
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if of_this_head(proc.info["cmdline"] or []):
+                found += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in found:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(found, timeout=10)
 
 
 def submit(head, submission_id: str, *train_args: str) -> subprocess.CompletedProcess:

@@ -1,18 +1,24 @@
-"""The actor tier on a simulated cluster (``ray.cluster_utils.Cluster``): a head for the drivers,
-two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node that carries
+"""The actor tier on the package's simulated cluster (tests/ray/conftest.py): a head for the
+drivers, two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node that carries
 ``raydeep_offload`` and the label ``raydeep/role=offload``.
 
 - Parity: 2 gloo ranks that join the cluster train stages 1-3 in bf16 (and stage 2 in fp32) with their fp32
-  masters and Adam states in offload actors, 2 actors per rank and sub-groups of 4096 elements
-  (so every step pipelines several pieces through the object store), and must equal the same
-  training without offload bit for bit: the actors run the same fused CPU kernel on the same
-  values (``tests/dist/test_offload.py`` says why tiling keeps the bits).
+  masters and Adam states in offload actors, in sub-groups of 4096 elements (so every step
+  pipelines several pieces through the object store), and must equal the same training without
+  offload bit for bit: the actors run the same fused CPU kernel on the same values
+  (``tests/dist/test_offload.py`` says why tiling keeps the bits). Stage 2 in bf16 runs 2 actors
+  per rank (sub-group k goes to actor k mod 2); the other stages 1 each: which actor owns a
+  sub-group does not depend on the stage, and every actor is a process to start.
 - Placement: the actors run on the offload node, by node id; with no marked node, ``auto`` takes
   the host tier.
-- Memory: the rank's own ``memory_breakdown()`` drops by the masters and the optimizer states.
-- Through ``raydeep train``: the ``offload`` section of summary.json, the same weights as a run
-  without offload, and recovery from ``ray.kill`` of an offload actor with the uninterrupted run's
-  weights. After each run, no offload actor is alive and no placement group exists (State API).
+- Memory, measured from the tensors each process really holds (tests/ray/tensors.py), not from
+  raydeep's accounting: the rank keeps no fp32 master or optimizer state, its offload actors hold
+  ZeRO's 12 bytes per element of the rank's shard, and ``memory_breakdown()`` agrees with both.
+- Through ``raydeep train``: the ``offload`` section of summary.json, the same weights as the same
+  training without offload (in plain gloo processes, which a Ray run reproduces bit for bit:
+  tests/ray/test_trainer.py), and recovery from ``ray.kill`` of an offload actor with the
+  uninterrupted run's weights. After each run, no offload actor is alive and no placement group
+  exists (State API).
 """
 from __future__ import annotations
 
@@ -27,28 +33,17 @@ import ray
 import torch
 
 from tests.dist.harness import run_ranks
+from tests.ray.tensors import actor_storage_bytes, storage_bytes
 
 pytestmark = pytest.mark.slow
-MARK, LABEL = "raydeep_offload", {"raydeep/role": "offload"}
 STEPS, EVERY = 8, 2
+SUB_GROUP = 4096  # elements per sub-group in the parity runs
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    trainers = [cluster.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(2)]
-    offload = cluster.add_node(num_cpus=4, resources={MARK: 1}, labels=LABEL)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    try:
-        yield cluster, trainers, offload
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def cluster(shared_ray):
+    """(cluster, trainer nodes, offload node): the package's shared cluster, this process its driver."""
+    return shared_ray.cluster, shared_ray.trainers, shared_ray.offload
 
 
 def _alive_offload_actors() -> list:
@@ -64,6 +59,7 @@ def _placement_groups() -> list:
 
 
 def _train(cfg: dict, save_to: str | None = None) -> dict:
+    """3 steps on this rank; with what the rank and its offload actors hold in fp32 tensors after them."""
     import raydeep
     from tests.dist.checkpoint_workloads import full_params
     from tests.dist.workloads import run_steps, tiny_gpt
@@ -72,50 +68,52 @@ def _train(cfg: dict, save_to: str | None = None) -> dict:
     losses = run_steps(engine, 3, 8)
     out = {"losses": losses, "params": full_params(engine), "memory": engine.memory_breakdown(),
            "tier": type(engine.tier).__name__, "report": engine.tier.report(),
-           "numel": sum(p.numel() for p in engine.module.parameters())}
+           "numel": sum(p.numel() for p in engine.module.parameters()),
+           "param_tensors": len(list(engine.module.parameters())), "rank_fp32_bytes": storage_bytes(engine),
+           "actor_fp32_bytes": [actor_storage_bytes(a) for a in getattr(engine.tier, "actors", [])]}
     if save_to:
         engine.save_checkpoint(save_to)
     engine.destroy()
     return out
 
 
-ACTORS = {"offload_target": "actors", "offload_actors_per_rank": 2, "offload_actor_cpus": 0.5}
+def actors_options(per_rank: int) -> dict:
+    return {"offload_target": "actors", "offload_actors_per_rank": per_rank, "offload_actor_cpus": 0.5}
 
 
-def _stage2_config(offload: bool, gas: int) -> dict:
+def _config(stage: int, precision: str, offload: bool, gas: int = 2, micro: int = 2, actors_per_rank: int = 2) -> dict:
+    """The parity runs' config (8 samples a step: gas 2 x micro 2 x 2 ranks, or gas 4 x 1 rank)."""
     from tests.dist.workloads import config
 
-    cfg = config(2, gas, 4, 1.0, raydeep=ACTORS, bf16={"enabled": True})  # 8 samples a step: gas 1 x 2 ranks, gas 2 x 1
+    cfg = config(stage, gas, micro, 1.0, raydeep=actors_options(actors_per_rank) if offload else {})
     if offload:
-        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=4096)
+        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=SUB_GROUP)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
     return cfg
 
 
 # bf16 at every stage (the memory test reads them), fp32 at one: the actors run one kernel on
-# whatever dtype the masters have, so more fp32 stages would add time, not coverage.
-PARITY = [(1, "bf16"), (2, "fp32"), (2, "bf16"), (3, "bf16")]
+# whatever dtype the masters have, so more fp32 stages would add time, not coverage. The value:
+# offload actors per rank.
+PARITY = {(1, "bf16"): 1, (2, "fp32"): 1, (2, "bf16"): 2, (3, "bf16"): 1}
+CHECKPOINTED = (2, "bf16")  # its runs save the checkpoints the cross-load test loads
 
 
-def _parity(address: str, pairs: list[tuple[int, str]], checkpoints: str | None = None) -> dict:
+def _parity(address: str, pairs: dict, checkpoints: str | None = None) -> dict:
     from tests.dist.workloads import config
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
         out = {}
-        for stage, precision in pairs:
-            for name, options in (("none", {}), ("actors", ACTORS)):
-                cfg = config(stage, 2, 2, 1.0, raydeep=options)
-                if name == "actors":
-                    cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=4096)
-                if precision == "bf16":
-                    cfg["bf16"] = {"enabled": True}
-                out[(stage, precision, name)] = _train(cfg)
+        for (stage, precision), per_rank in pairs.items():
+            for name in ("none", "actors"):
+                cfg = _config(stage, precision, name == "actors", actors_per_rank=per_rank)
+                save = f"{checkpoints}/{name}" if checkpoints and (stage, precision) == CHECKPOINTED else None
+                out[(stage, precision, name)] = _train(cfg, save_to=save)
         auto = config(2, 2, 2, 1.0, raydeep={"offload_resource": "no_such_marker"})
         auto["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         out["auto without marked nodes"] = _train(auto)["tier"]
-        if checkpoints:  # world 2 saves with and without offload actors, for the cross-load test
-            for name, offload in (("actors", True), ("none", False)):
-                _train(_stage2_config(offload, gas=1), save_to=f"{checkpoints}/{name}")
         return out
     finally:
         ray.shutdown()
@@ -144,23 +142,33 @@ def test_actors_run_on_the_offload_node_and_auto_falls_back_to_the_host(parity, 
     offload_node = cluster[2].node_id
     for (stage, precision, name), run in ((k, v) for k, v in parity.items() if isinstance(k, tuple)):
         if name == "actors":
-            assert run["report"]["actors"] == 2 and run["report"]["node_ids"] == [offload_node], (stage, precision)
+            assert run["report"]["actors"] == PARITY[(stage, precision)], (stage, precision)
+            assert run["report"]["node_ids"] == [offload_node], (stage, precision)
     assert parity["auto without marked nodes"] == "HostTier"
     assert _alive_offload_actors() == []
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_rank_memory_drops_by_the_masters_and_optimizer_states(parity, stage):
-    """Mixed precision Adam: 4 (fp32 master) + 8 (two states) bytes per element of the rank's
-    shard leave the rank, i.e. at least 12 psi / N."""
-    base, run = parity[(stage, "bf16", "none")]["memory"], parity[(stage, "bf16", "actors")]["memory"]
-    psi_over_n = parity[(stage, "bf16", "none")]["numel"] / 2
-    moved = base["master"] + base["optimizer_states"]
-    assert moved >= 12 * psi_over_n
-    assert run["master"] == run["optimizer_states"] == 0
-    assert run["total"] == base["total"] - moved and run["offloaded"] == moved
-    print(f"\nstage {stage} bf16: rank memory {base['total']} -> {run['total']} bytes "
-          f"(12 psi/N = {12 * psi_over_n:.0f}; offloaded {run['offloaded']})")
+def test_masters_and_optimizer_states_leave_the_rank_for_its_offload_actors(parity, stage):
+    """bf16 Adam, measured in the processes' real tensors: the rank keeps no fp32 tensor but one
+    placeholder element per option group (the LR schedulers' hyperparameter holder), where
+    without offload it held its fp32 masters and both Adam states; the rank's offload actors hold
+    ZeRO's 4 + 8 = 12 bytes per element of the rank's shard of psi elements, psi/N padded by less
+    than one element per parameter tensor, plus each actor's one fp32 gradient buffer of a
+    sub-group at most. ``memory_breakdown()`` says the same: what the actors hold, less the
+    buffers, and nothing left on the rank."""
+    base, run = parity[(stage, "bf16", "none")], parity[(stage, "bf16", "actors")]
+    psi_over_n, tensors = base["numel"] / 2, base["param_tensors"]
+    held, buffers = sum(run["actor_fp32_bytes"]), len(run["actor_fp32_bytes"]) * 4 * SUB_GROUP
+    print(f"\nstage {stage} bf16: fp32 bytes on the rank {base['rank_fp32_bytes']} -> {run['rank_fp32_bytes']}; "
+          f"in its {len(run['actor_fp32_bytes'])} actor(s) {held} (12 psi/N = {12 * psi_over_n:.0f})")
+    assert run["rank_fp32_bytes"] <= 4 * tensors
+    assert base["rank_fp32_bytes"] - run["rank_fp32_bytes"] >= 12 * psi_over_n
+    assert 12 * psi_over_n <= held <= 12 * (psi_over_n + tensors) + buffers
+    memory = run["memory"]
+    assert memory["master"] == memory["optimizer_states"] == 0
+    assert held - buffers <= memory["offloaded"] <= held
+    assert memory["total"] == base["memory"]["total"] - memory["offloaded"]
 
 
 def _cross_load(address: str, checkpoints: str) -> dict:
@@ -174,7 +182,8 @@ def _cross_load(address: str, checkpoints: str) -> dict:
     try:
         out = {}
         for saved, loader in (("actors", "none"), ("none", "actors"), ("none", "none")):
-            engine, *_ = raydeep.initialize(model=tiny_gpt(), config=_stage2_config(loader == "actors", gas=2))
+            config = _config(*CHECKPOINTED, offload=loader == "actors", gas=4)
+            engine, *_ = raydeep.initialize(model=tiny_gpt(), config=config)
             engine.load_checkpoint(f"{checkpoints}/{saved}")
             losses = run_steps(engine, 4, 8, skip=3)
             out[(saved, loader)] = {"losses": losses, "params": full_params(engine), "tier": type(engine.tier).__name__}
@@ -221,55 +230,93 @@ def storage(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(cluster, storage, tmp_path_factory):
-    configs = tmp_path_factory.mktemp("configs")
-    out = {}
-    for name, offload in (("offload", True), ("none", False)):
-        done = _raydeep_train(cluster, storage, name, _config_file(configs, offload))
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        out[name] = json.loads((storage / name / "summary.json").read_text())
-    return out
+def cli_run(cluster, storage, tmp_path_factory) -> dict:
+    """``raydeep train`` with the optimizer offloaded to actors: its summary."""
+    done = _raydeep_train(cluster, storage, "offload", _config_file(tmp_path_factory.mktemp("configs"), True))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((storage / "offload" / "summary.json").read_text())
 
 
-def test_raydeep_train_writes_the_offload_section(cli_runs, cluster):
-    section = cli_runs["offload"]["offload"]
+def _param_tensors(model: str = "gpt-tiny") -> int:
+    from raydeep.models import build_gpt
+
+    return len(list(build_gpt(model).parameters()))
+
+
+def _eventually(check, timeout_s: float = 30.0) -> bool:
+    """``check()`` once it holds, polling: Ray removes a finished run's actors and placement group
+    asynchronously. False if it never did within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _nothing_left() -> bool:
+    return _alive_offload_actors() == [] and _placement_groups() == []
+
+
+def test_raydeep_train_writes_the_offload_section(cli_run, cluster, storage, tmp_path):
+    """The summary's ``offload`` section, and the run's weights (its fp32 masters) against the same
+    training without offload in two plain gloo processes (a Ray run reproduces those bit for bit:
+    tests/ray/test_trainer.py::test_two_ray_workers_equal_two_plain_processes)."""
+    from raydeep.ray import TrainSpec
+    from raydeep.ray.weights import param_sha256
+    from tests.ray.plain import train_plain
+
+    section = cli_run["offload"]
     assert section["tier"] == "actors" and section["actors"] == 2
     assert section["node_ids"] == [cluster[2].node_id]
-    assert section["bytes_held"] >= 12 * cli_runs["offload"]["num_parameters"]  # both ranks' shards, bf16 Adam
+    # Both ranks' shards in bf16 Adam: 12 bytes per element, each unit padded by less than one
+    # element per rank (so by less than one per parameter tensor over the 2 ranks).
+    psi = cli_run["num_parameters"]
+    assert 12 * psi <= section["bytes_held"] <= 12 * (psi + _param_tensors())
     for rank in section["ranks"]:
-        assert rank["step_s"] > 0 and rank["cpu_step_s"] > 0 and rank["transfer_s"] > 0
-    assert cli_runs["none"]["offload"] is None
-    assert cli_runs["offload"]["param_sha256"] == cli_runs["none"]["param_sha256"]
-    assert _alive_offload_actors() == [] and _placement_groups() == []
+        # Per step: an actor's CPU work lies between the rank's first call and its last result,
+        # one call after another, and so do the rank's own copies: neither can exceed the step.
+        assert 0 < rank["cpu_step_s"] <= rank["step_s"], rank
+        assert 0 < rank["transfer_s"] <= rank["step_s"], rank
+    plain = TrainSpec(ds_config=_config_file(tmp_path, False), num_workers=2, steps=STEPS, checkpoint_every=EVERY,
+                      storage_path=str(storage), name="plain")
+    assert cli_run["param_sha256"] == param_sha256(run_ranks(train_plain, 2, plain, STEPS)[0]["masters"])
+    assert _eventually(_nothing_left)
 
 
 class KillAnOffloadActor:
-    """on_progress callback: ray.kill one offload actor once the run is past a checkpoint."""
+    """on_progress callback: once the run is past a checkpoint, measure what the run's offload
+    actors hold (their real fp32 tensors), then ray.kill one of them."""
 
     def __init__(self, after_step: int):
-        self.after_step, self.killed, self.step = after_step, None, None
+        self.after_step, self.killed, self.step, self.held = after_step, None, None, None
 
     def __call__(self, snapshot: dict) -> None:
         latest = snapshot["latest"]
         if self.killed is None and latest and latest["step"] >= self.after_step:
-            actors = _alive_offload_actors()
-            if actors:
-                self.killed, self.step = actors[0].name, latest["step"]
-                ray.kill(ray.get_actor(actors[0].name, namespace=actors[0].ray_namespace), no_restart=True)
+            found = _alive_offload_actors()
+            if found:
+                actors = [ray.get_actor(a.name, namespace=a.ray_namespace) for a in found]
+                self.held = [actor_storage_bytes(a) for a in actors]
+                self.killed, self.step = found[0].name, latest["step"]
+                ray.kill(actors[0], no_restart=True)
 
 
-def test_a_killed_offload_actor_recovers_with_the_uninterrupted_weights(cli_runs, cluster, storage, tmp_path):
+def test_a_killed_offload_actor_recovers_with_the_uninterrupted_weights(cli_run, cluster, storage, tmp_path):
     from raydeep.ray import TrainSpec, fit
 
     spec = TrainSpec(ds_config=_config_file(tmp_path, True), num_workers=2, steps=STEPS, checkpoint_every=EVERY,
-                     storage_path=str(storage), name="killed", resources_per_worker={"trainer": 1})
+                     storage_path=str(storage), name="offload-killed", resources_per_worker={"trainer": 1})
     kill = KillAnOffloadActor(after_step=EVERY + 1)
     summary = fit(spec, on_progress=kill)
     assert kill.killed is not None, "the run ended before an offload actor could be killed"
     assert summary["restarts"] >= 1 and summary["world_sizes"][-1] == 2
-    assert summary["param_sha256"] == cli_runs["offload"]["param_sha256"]
-    assert summary["samples_sha256"] == cli_runs["offload"]["samples_sha256"]
-    time.sleep(1)
-    assert _alive_offload_actors() == [] and _placement_groups() == []
+    assert summary["param_sha256"] == cli_run["param_sha256"]
+    assert summary["samples_sha256"] == cli_run["samples_sha256"]
+    # What the actors reported holding (masters and Adam states) is what they held, less at most
+    # one fp32 gradient buffer of a sub-group (16384 elements) each.
+    held, reported = sum(kill.held), summary["offload"]["bytes_held"]
+    assert len(kill.held) == 2 and reported <= held <= reported + len(kill.held) * 4 * 16384, (kill.held, reported)
+    assert _eventually(_nothing_left)
     print(f"\nray.kill of offload actor {kill.killed[:8]} after step {kill.step}: restarts {summary['restarts']}, "
           f"resumed from step {summary['recoveries'][0]['resumed_from_step']}, bitwise equal weights")

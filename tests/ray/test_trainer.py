@@ -1,12 +1,13 @@
 """raydeep on Ray Train, on one simulated cluster (``ray.cluster_utils.Cluster``: a head for the
-drivers and two 1-CPU worker nodes): parity with plain processes, exactly-once data, a SIGKILLed
+drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once data, a SIGKILLed
 worker, a driver restart, and finally the loss of a node under an elastic run.
 
 Every run is checked against one uninterrupted run: the tiny GPT, ZeRO-3, 2 workers, 16 steps of
 16 samples, a checkpoint every 4 steps. Equal ``param_sha256`` means bitwise-equal consolidated
 fp32 parameters; equal ``samples_sha256`` means the same sample ids in the same order (see
-raydeep.ray.ledger). The tests run in file order and share the cluster; the node-loss test, which
-removes a node, comes last.
+raydeep.ray.ledger). The tests run in file order on the package's shared cluster
+(tests/ray/conftest.py); the node-loss test, which removes a node (and puts a new one in its
+place), comes last.
 """
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 
 from raydeep.data import builtin_dataset
 from raydeep.ray import TrainSpec, fit
 from raydeep.ray.ledger import SampleOrder, expected_digest
-from raydeep.ray.trainer import LOCAL_CLUSTER_TUNING
 from raydeep.ray.weights import load_fp32, max_abs_difference, param_sha256
 from tests.dist.harness import run_ranks
 from tests.ray.plain import train_plain
@@ -37,38 +36,11 @@ STEPS, EVERY, BATCH = 16, 4, 16
 SCHEDULE = [f"scheduler.params.total_num_steps={2 * STEPS}", "scheduler.params.warmup_num_steps=2"]
 
 
-START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-
-
 @pytest.fixture(scope="module")
-def cluster():
-    """Yields (cluster, worker nodes). The GCS declares a silent node dead after three missed 1 s
-    health checks, as a cluster tuned for fast failover would; a worker group that cannot be
-    placed is retried at the size that fits after 10 s. The simulated nodes share one machine
-    and are never drained, so, as on the local cluster raydeep starts itself, Ray Train's
-    preemption watcher is off (its actor would take CPU from every restart)."""
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()  # a connection left by an earlier module
-    fast_failover = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": fast_failover})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
-    tuning = {START_TIMEOUT: "10", **LOCAL_CLUSTER_TUNING}  # read by Ray Train's controller, started in fit()
-    previous = {key: os.environ.get(key) for key in tuning}
-    os.environ.update(tuning)
-    ray.init(address=cluster.address)
-    try:
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
+def cluster(shared_ray):
+    """(cluster, trainer nodes) of the package's shared cluster (tests/ray/conftest.py), this
+    process connected to it for the module."""
+    return shared_ray.cluster, shared_ray.trainers
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +76,7 @@ def test_summary_reports_an_exactly_once_run(uninterrupted, storage):
     summary = uninterrupted
     assert (summary["global_steps"], summary["global_samples"]) == (STEPS, STEPS * BATCH)
     assert summary["world_sizes"] == [2] and summary["restarts"] == 0
+    assert summary["offload"] is None  # nothing offloaded: no section (test_offload_actors.py has one)
     assert summary["samples_sha256"] == expected_samples_sha256()
     assert summary["final_loss"] < 4.5  # it learns: ln(256) = 5.55 at the start
     assert summary["samples_per_s"] > 0
@@ -211,7 +184,10 @@ def check_monitors(out, head_node, run_name: str) -> None:
 
 def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(storage):
     """1-bit Adam (stage 0) past its freeze step: the error feedback of each rank comes back from
-    the checkpoint with the rest, so the restarted run ends with the uninterrupted run's weights."""
+    the checkpoint with the rest, so the restarted run ends with the uninterrupted run's weights.
+    The uninterrupted run is the same training in two plain gloo processes, which a Ray run
+    reproduces bit for bit (test_two_ray_workers_equal_two_plain_processes): a Ray run of its
+    own would start a worker group more for the same bits."""
     import copy
 
     from raydeep.ray.spec import DEFAULT_DS_CONFIG
@@ -219,14 +195,14 @@ def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(stor
     config = copy.deepcopy(DEFAULT_DS_CONFIG)
     config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 2e-3, "freeze_step": 2, "weight_decay": 0.01}}
     config["zero_optimization"] = {"stage": 0}
-    spec = lambda name: spec_for(storage, name, ds_config=config, steps=2 * EVERY)  # noqa: E731
-    straight = fit(spec("onebit-uninterrupted"))
-    assert straight["compression"]["phase"] == "compressed" and straight["compression"]["compressed_bytes"] > 0
+    spec = spec_for(storage, "onebit-killed", ds_config=config, steps=2 * EVERY)
     kill = KillRankOne(after_step=EVERY + 1)
-    summary = fit(spec("onebit-killed"), on_progress=kill)
+    summary = fit(spec, on_progress=kill)
     assert kill.killed_at is not None and summary["restarts"] == 1
     assert summary["recoveries"][0]["resumed_from_step"] == EVERY  # in the compressed stage (from step 3)
-    assert summary["param_sha256"] == straight["param_sha256"]
+    assert summary["compression"]["phase"] == "compressed" and summary["compression"]["compressed_bytes"] > 0
+    straight = run_ranks(train_plain, 2, spec, 2 * EVERY)[0]
+    assert summary["param_sha256"] == param_sha256(straight["params"])
 
 
 def _flip_a_byte(path) -> None:
@@ -299,7 +275,7 @@ class RemoveNodeOfRankOne:
 
     def __init__(self, cluster, nodes, after_step: int):
         self.cluster, self.nodes, self.after_step = cluster, nodes, after_step
-        self.removed_at, self.step, self.attempts = None, None, []
+        self.removed_at, self.removed, self.step, self.attempts = None, None, None, []
 
     def __call__(self, snapshot: dict) -> None:
         self.attempts, latest = snapshot["attempts"], snapshot["latest"]
@@ -308,17 +284,27 @@ class RemoveNodeOfRankOne:
         workers = self.attempts[0]["workers"]
         if 1 in workers:
             node = next(n for n in self.nodes if n.node_id == workers[1]["node_id"])
-            self.removed_at, self.step = time.time(), latest["step"]
+            self.removed_at, self.removed, self.step = time.time(), node, latest["step"]
             self.cluster.remove_node(node, allow_graceful=False)
 
 
-def test_node_loss_continues_on_one_worker_with_the_same_batch(cluster, uninterrupted, storage):
-    """Elastic run (1 to 2 workers): the node of rank 1 disappears; the run continues on the
-    other with the same global batch (twice the accumulation), its ZeRO-3 state resharded from 2
-    ranks to 1, the same samples, and the uninterrupted run's loss and weights up to rounding."""
-    spec = spec_for(storage, "elastic", num_workers=(1, 2), export_fp32=True)
-    loss = RemoveNodeOfRankOne(*cluster, after_step=EVERY + 2)
-    summary = fit(spec, on_progress=loss)
+def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, uninterrupted, storage, monkeypatch):
+    """Elastic run (1 to 2 workers, on the shared cluster's two trainer nodes): the node of rank 1
+    disappears; the run continues on the other with the same global batch (twice the
+    accumulation), its ZeRO-3 state resharded from 2 ranks to 1, the same samples, and the
+    uninterrupted run's loss and weights up to rounding. A new trainer node then takes the lost
+    one's place, for the modules that follow.
+
+    A worker group that cannot be placed is given up on after 3 s (Ray Train's wait for its
+    placement group, which starting the actors is not part of) and retried at the size that fits."""
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")  # read by the controller fit() starts
+    spec = spec_for(storage, "elastic", num_workers=(1, 2), export_fp32=True, resources_per_worker={"trainer": 1})
+    loss = RemoveNodeOfRankOne(shared_ray.cluster, shared_ray.trainers, after_step=EVERY + 2)
+    try:
+        summary = fit(spec, on_progress=loss)
+    finally:
+        if loss.removed is not None:
+            shared_ray.replace_trainer(loss.removed)
     assert loss.removed_at is not None, "the run ended before the node could be removed"
     assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1
     last = summary["attempts"][-1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 from ray import tune
 
 from raydeep.ray import TrainSpec
@@ -21,22 +20,17 @@ def test_trial_spec_applies_the_trial_config(tmp_path):
     assert spec.resolved_ds_config()["scheduler"]["params"]["warmup_max_lr"] == 0.003
 
 
-def test_a_grid_of_two_learning_rates(tmp_path):
-    if ray.is_initialized():
-        ray.shutdown()  # a connection left by an earlier module
-    # Two trials at once: each needs a sliver of a CPU for its driver and 1 CPU for its worker.
-    ray.init(num_cpus=3, log_to_driver=False)
-    try:
-        base = TrainSpec(num_workers=1, steps=4, checkpoint_every=2, storage_path=str(tmp_path / "runs"), name="lr")
-        lrs = [1e-4, 3e-3]
-        tuner = tune.Tuner(
-            tune.with_resources(make_driver(base), {"CPU": 0.01}),  # the trial driver: a sliver of a CPU
-            param_space={"set": {"scheduler.params.warmup_max_lr": tune.grid_search(lrs)}},
-            tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=2),
-            run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), name="lr"))
-        results = tuner.fit()
-    finally:
-        ray.shutdown()
+def test_a_grid_of_two_learning_rates(connected, tmp_path):
+    """On the package's shared cluster (tests/ray/conftest.py). Two trials at once: each needs a
+    sliver of a CPU for its driver and 1 CPU for its worker."""
+    base = TrainSpec(num_workers=1, steps=4, checkpoint_every=2, storage_path=str(tmp_path / "runs"), name="lr")
+    lrs = [1e-4, 3e-3]
+    tuner = tune.Tuner(
+        tune.with_resources(make_driver(base), {"CPU": 0.01}),  # the trial driver: a sliver of a CPU
+        param_space={"set": {"scheduler.params.warmup_max_lr": tune.grid_search(lrs)}},
+        tune_config=tune.TuneConfig(metric="loss", mode="min", max_concurrent_trials=2),
+        run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), name="lr"))
+    results = tuner.fit()
     assert not results.errors, results.errors
     losses = {}
     for result in results:

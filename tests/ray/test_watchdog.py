@@ -1,12 +1,13 @@
-"""The step watchdog in a real ``raydeep train`` run: rank 1 sleeps 8 s inside step 3's forward
-(tests.ray.plain:sleepy_gpt) under a 2 s step timeout. Its dump names the sleeping function, the
-driver prints where rank 1 is, and the run still finishes."""
+"""The step watchdog in a real ``raydeep train`` run on the package's shared cluster
+(tests/ray/conftest.py): rank 1 sleeps 5 s inside step 3's forward (tests.ray.plain:sleepy_gpt)
+under a 2 s step timeout, which the watchdog (a look every 0.5 s) passes 2.5 s before the sleep
+ends. Its dump names the sleeping function, the driver prints where rank 1 is, and the run still
+finishes."""
 from __future__ import annotations
 
 import json
 
 import pytest
-import ray
 
 from raydeep.cli import main
 from tests.ray.plain import SLEEPY_CALL
@@ -17,24 +18,16 @@ STEPS = 5
 HUNG_STEP = SLEEPY_CALL  # one micro batch per step (16 = 2 workers x 8), so one forward per step
 
 
-@pytest.fixture
-def fresh_ray():
-    """The CLI starts its own local cluster (``--address local``); leave none behind."""
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
-    ray.shutdown()
-
-
 def thread_section(dump: str, marker: str = "(running the step) ---") -> str:
     """The stack of the thread that ran the step, from a watchdog dump."""
     return dump.split(marker, 1)[1].split("\n--- thread ", 1)[0]
 
 
-def test_a_rank_stuck_in_a_step_is_reported_and_the_run_finishes(fresh_ray, tmp_path, capsys):
+def test_a_rank_stuck_in_a_step_is_reported_and_the_run_finishes(connected, tmp_path, capsys):
     capsys.readouterr()
     code = main(["train", "--model", "tests.ray.plain:sleepy_gpt", "--num-workers", "2", "--steps", str(STEPS),
-                 "--checkpoint-every", "0", "--storage-path", str(tmp_path), "--name", "hang", "--address", "local",
+                 "--checkpoint-every", "0", "--storage-path", str(tmp_path), "--name", "hang",
+                 "--address", connected.address,
                  "--set", "raydeep.step_timeout_s=2", "--set", "raydeep.min_step_timeout_s=0"])
     out, err = capsys.readouterr()
     assert code == 0, out + err

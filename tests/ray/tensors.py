@@ -1,0 +1,39 @@
+"""What a process really holds in tensors, found by walking objects (no one's own accounting)."""
+from __future__ import annotations
+
+import gc
+import types
+
+import torch
+
+# Objects the walk does not enter: through them every module global would be reachable.
+_OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           types.CodeType, types.FrameType)
+
+
+def storage_bytes(root, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the distinct tensor storages of ``dtype`` reachable from ``root`` through
+    attributes and containers (a storage counted once, however many views reach it); tensors of
+    zero dimensions (an optimizer's ``step``) are left out."""
+    seen, storages, stack = set(), {}, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.dtype == dtype and obj.dim() > 0:
+                storage = obj.untyped_storage()
+                if storage.nbytes():
+                    storages[storage.data_ptr()] = storage.nbytes()
+            if obj.grad is not None:
+                stack.append(obj.grad)
+        stack.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
+def actor_storage_bytes(actor, dtype: torch.dtype = torch.float32) -> int:
+    """:func:`storage_bytes` of a Ray actor's instance, walked inside the actor's process."""
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda instance: storage_bytes(instance, dtype)))
