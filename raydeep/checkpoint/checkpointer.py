@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 import zlib
 from datetime import timedelta
 
@@ -101,11 +102,23 @@ class Checkpointer:
                           keep_last_k: int | None) -> None:
         rank, world, fsync = self.parts.rank, self.parts.world_size, self.settings.fsync
 
-        # 1. Rank 0 empties the staging location of its tag; every rank learns every rank's tag.
-        tags = self._agree("prepare", lambda: TagWriter(storage, tag, fsync).prepare() if rank == 0 else None,
-                           same=tag)
-        tag = self._agreed_tag(tags)
+        # 1. Rank 0 empties the staging location of its tag and marks it; every rank learns every
+        # rank's tag and rank 0's mark.
+        mark = uuid.uuid4().hex if storage.is_local else None
+
+        def prepare():
+            if rank == 0:
+                TagWriter(storage, tag, fsync).prepare(mark)
+            return tag, mark
+        prepared = self._agree("prepare", prepare, share=True)
+        tag = self._agreed_tag([t for t, _ in prepared])
         writer = TagWriter(storage, tag, fsync=fsync)
+        # A rank that does not see rank 0's mark saves to a directory of its own (each Ray Train
+        # worker's temporary directory, gathered later by ray.train.report): it stages there and
+        # moves its own files into place in step 3, as each DeepSpeed rank writes its own files.
+        own_directory = rank != 0 and prepared[0][1] is not None and not writer.sees(prepared[0][1])
+        if own_directory:
+            writer.prepare()
 
         # 2. Every rank writes its own file(s); rank 0 collects their digests.
         def write_own_files():
@@ -118,6 +131,8 @@ class Checkpointer:
 
         # 3. Rank 0 commits (manifest last, then ``latest``, then retention).
         def commit():
+            if own_directory:
+                writer.move_into_place()
             if rank != 0:
                 return
             files = {name: entry for rank_files, _ in written for name, entry in rank_files.items()}

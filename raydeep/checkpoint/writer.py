@@ -2,10 +2,15 @@
 
 Protocol (every rank calls the collective steps in the same order; see ``checkpointer.py``):
 
-1. rank 0 clears the staging location of the tag;
+1. rank 0 clears the staging location of the tag and marks it with a token the ranks share;
 2. every rank writes its own file(s) into it (fsynced on local disks);
 3. rank 0 writes ``manifest.json`` (with every file's sha256) last, moves the staging directory
    into place when the filesystem can rename, then rewrites ``latest`` and prunes old tags.
+
+A rank that does not find rank 0's token saves to a directory of its own (a node-local path, as
+each Ray Train worker's temporary directory in Ray's DeepSpeed example): it clears and stages its
+own files there and moves them into place itself in step 3, as each DeepSpeed rank writes its own
+files, and whoever gathers the directories (``ray.train.report``) puts the tag together.
 
 Until step 3 completes, ``latest`` still names the previous committed tag, and a tag without a
 manifest is never loaded.
@@ -21,6 +26,7 @@ from raydeep.checkpoint import format as fmt
 from raydeep.storage import Storage
 
 logger = logging.getLogger("raydeep")
+_MARK = ".rank0-token"  # in rank 0's staging directory from prepare to commit
 
 
 class TagWriter:
@@ -38,14 +44,24 @@ class TagWriter:
             raise ValueError(f"checkpoint tag {tag!r} must be a non-empty name without '/' or '\\' and not "
                              "start with '.'")
 
-    def prepare(self) -> None:
-        """Rank 0, before any rank writes: start from an empty staging location."""
+    def prepare(self, mark: str | None = None) -> None:
+        """Rank 0 (and a rank saving to a directory of its own), before any rank writes: start
+        from an empty staging location; ``mark`` lets the other ranks find out whether they see it."""
         if self.storage.is_local:
             self.storage.delete_dir(self.staging)
         elif self.storage.exists(f"{self.tag}/{fmt.MANIFEST}"):
             # Re-saving a tag in place: un-commit it first so a half-overwritten tag is never loaded.
             self.storage.fs.delete_file(self.storage.path(f"{self.tag}/{fmt.MANIFEST}"))
         self.storage.make_dir(self.staging)
+        if mark is not None:
+            self.storage.write(f"{self.staging}/{_MARK}", mark.encode(), fsync=False)
+
+    def sees(self, mark: str) -> bool:
+        """Whether rank 0's staging location, marked with ``mark``, is the one this rank sees."""
+        try:
+            return self.storage.read(f"{self.staging}/{_MARK}").decode() == mark
+        except (OSError, UnicodeDecodeError):
+            return False
 
     def write_file(self, name: str, data: bytes | list) -> dict:
         """Write one file of the tag (bytes, or buffers from ``format.encode``); returns its
@@ -53,20 +69,27 @@ class TagWriter:
         self.storage.write(f"{self.staging}/{name}", data, fsync=self.fsync)
         return {"sha256": fmt.sha256(data), "bytes": fmt.encoded_size(data)}
 
+    def move_into_place(self) -> None:
+        """Rename the staging directory to the tag (local filesystems; object stores write in place)."""
+        if not self.storage.is_local:
+            return
+        replaced = f".{self.tag}.replaced"
+        if self.storage.exists(self.tag):  # re-saving a tag: keep the old one until the new is in place
+            self.storage.delete_dir(replaced)
+            self.storage.rename_dir(self.tag, replaced)
+        self.storage.rename_dir(self.staging, self.tag)
+        self.storage.delete_dir(replaced)
+
     def commit(self, manifest: dict, save_latest: bool = True, keep_last_k: int | None = None,
                known_tags: list | None = None) -> None:
         """Rank 0, after every rank's files are durable: make the tag visible, then ``latest``.
 
         ``known_tags``: the caller's running ``committed_tags`` list for this storage (kept up to
         date here), so that retention does not re-read every manifest on every save."""
+        if self.storage.exists(f"{self.staging}/{_MARK}"):
+            self.storage.fs.delete_file(self.storage.path(f"{self.staging}/{_MARK}"))
         self.storage.write(f"{self.staging}/{fmt.MANIFEST}", fmt.to_json(manifest, "checkpoint manifest").encode())
-        if self.storage.is_local:
-            replaced = f".{self.tag}.replaced"
-            if self.storage.exists(self.tag):  # re-saving a tag: keep the old one until the new is in place
-                self.storage.delete_dir(replaced)
-                self.storage.rename_dir(self.tag, replaced)
-            self.storage.rename_dir(self.staging, self.tag)
-            self.storage.delete_dir(replaced)
+        self.move_into_place()
         if save_latest:
             self.storage.write_atomic(fmt.LATEST, self.tag.encode())
         if self.storage.is_local:

@@ -27,6 +27,9 @@ import torch.distributed as dist
 
 from raydeep.comm import exchange
 from raydeep.comm.comms_logging import CommsLogger, deepspeed_name
+from raydeep.comm.process_group import (  # noqa: F401  DeepSpeed's deepspeed.comm names for client scripts
+    ReduceOp, barrier, destroy_process_group, get_backend, get_global_rank, get_local_rank, get_rank, get_world_size,
+    init_distributed, is_initialized, new_group, rank_device)
 from raydeep.console_lines import CONSOLE
 
 

@@ -197,9 +197,7 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.model_persistence_threshold": read(BUILDER),
     "zero_optimization.max_live_parameters": read(BUILDER, STAGE3),
     "zero_optimization.max_reuse_distance": read(BUILDER, STAGE3),
-    "zero_optimization.gather_16bit_weights_on_model_save": warn(
-        "raydeep has no engine.save_16bit_model; write consolidated 16-bit weights from a checkpoint with "
-        "`raydeep convert export SRC OUT --dtype bf16`", True),
+    "zero_optimization.gather_16bit_weights_on_model_save": read(BUILDER),
     "zero_optimization.module_granularity_threshold": warn(_UNITS, 100),
     "zero_optimization.use_all_reduce_for_fetch_params": warn("parameters are always gathered with all-gather",
                                                               True),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raydeep import comm
+from raydeep.comm.process_group import init_distributed, rank_device
 from raydeep.config import load_config
 from raydeep.engine.builder import build_engine
 
@@ -30,60 +31,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
-                     verbose: bool = True, timeout: timedelta = timedelta(minutes=30), init_method: str | None = None,
-                     dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
-    """Initialise torch.distributed from the environment (torchrun, Ray Train, or one process).
-
-    Without ``WORLD_SIZE`` in the environment this sets up a one-rank group, as DeepSpeed does
-    for a script started with plain ``python``.
-    """
-    if dist.is_initialized() or dist_init_required is False:
-        return
-    env = os.environ
-    if world_size < 0:
-        world_size = int(env.get("WORLD_SIZE", 1))
-    if rank < 0:
-        rank = int(env.get("RANK", 0))
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(distributed_port))
-    env.setdefault("LOCAL_RANK", env.get("LOCAL_RANK", "0"))
-    backend = dist_backend or ("nccl" if _wants_cuda(None) else "gloo")
-    if "nccl" in backend:
-        rank_device(backend)  # set this rank's device before the group: NCCL binds its communicator to it
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
-
-
-def _wants_cuda(backend: str | None) -> bool:
-    """Whether a rank on ``backend`` computes on CUDA. The backend decides where there is one:
-    gloo sends CPU tensors only (its point-to-point ops refuse CUDA ones), and gloo ranks that
-    built on the GPU would all land on ``cuda:0``. Without a process group, CUDA where available
-    unless ``DS_ACCELERATOR=cpu`` (DeepSpeed's override)."""
-    if backend is not None:
-        return "nccl" in backend
-    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "").lower() != "cpu"
-
-
-def rank_device(backend: str | None = None) -> torch.device:
-    """This rank's device, following ``backend`` (default: the process group's, if any):
-    ``cuda:LOCAL_RANK`` for NCCL (made current), the CPU for gloo.
-
-    >>> rank_device("gloo")
-    device(type='cpu')
-    """
-    if backend is None and dist.is_available() and dist.is_initialized():
-        backend = dist.get_backend()
-    if not _wants_cuda(backend):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"raydeep: the process group's backend is {backend!r}, which needs a CUDA device, and "
-                           "this process sees none; use backend 'gloo' on CPU-only machines")
-    # Ray sets CUDA_VISIBLE_DEVICES per worker, so LOCAL_RANK indexes the visible devices.
-    local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

@@ -81,7 +81,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         compute_grad_norm=cfg.zero_optimization.compute_grad_norm, auto_cast=cfg.fp16.auto_cast,
         comms_logger=cfg.comms_logger is not None, wall_clock_breakdown=cfg.wall_clock_breakdown,
         empty_cache_every=cfg.raydeep.empty_cache_every,
-        overflow_diagnosis_after=cfg.raydeep.overflow_diagnosis_after)
+        overflow_diagnosis_after=cfg.raydeep.overflow_diagnosis_after,
+        gather_16bit_weights_on_model_save=cfg.zero_optimization.gather_16bit_weights_on_model_save)
     state = TrainState()
     parts = CheckpointParts(module=model, units=units, tier=tier, scaler=scaler, scheduler=sched, train_state=state,
                             publish=strategy.publish, rank=rank, world_size=world, device=device, stage=stage,

@@ -23,6 +23,8 @@ from torch import nn
 
 from raydeep import comm
 from raydeep.console_lines import CONSOLE
+from raydeep.engine.accessors import DeepSpeedAccessors
+from raydeep.engine.client_optimizer import ClientOptimizer
 from raydeep.engine.metrics import GLOBAL_TIMERS, StepMeter, timer_line
 from raydeep.monitor import step_events
 from raydeep.optim.clip import clip_coefficient
@@ -60,9 +62,10 @@ class EngineSettings:
     wall_clock_breakdown: bool = False
     empty_cache_every: int = 0
     overflow_diagnosis_after: int = 5
+    gather_16bit_weights_on_model_save: bool = False
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedAccessors, nn.Module):
     """A model wrapped for ZeRO training; build it with :func:`raydeep.initialize`.
 
     >>> import raydeep, torch
@@ -103,6 +106,9 @@ class Engine(nn.Module):
         self.step_metrics: dict | None = None  # the last optimizer step's (raydeep.engine.metrics)
         self.step_loss: torch.Tensor | None = None  # its mean loss, on the device: read it if you need it
         self._step_scale = scaler.loss_scale
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's
+        self.inside_no_sync_ctxt = False  # no_sync's: backward keeps gradients local
+        self._client_optimizer = ClientOptimizer(self)
 
     # --- forward / backward / step ------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -129,7 +135,7 @@ class Engine(nn.Module):
         began = self.meter.begin()
         if scale_wrt_gas and self.settings.grad_accum > 1:
             loss = loss / self.settings.grad_accum
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self.is_gradient_accumulation_boundary() and not self.inside_no_sync_ctxt
         scaled = loss * self.loss_scaler.loss_scale if self.loss_scaler.loss_scale != 1.0 else loss
         with self._oom_watch("backward", self._seq):
             self.strategy.begin_backward(boundary)
@@ -139,6 +145,8 @@ class Engine(nn.Module):
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.settings.grad_accum == 0
 
     def step(self, lr_kwargs: dict | None = None) -> None:
@@ -173,6 +181,27 @@ class Engine(nn.Module):
             logger.info("%s", timer_line(GLOBAL_TIMERS, self.meter.step_times), extra=CONSOLE)
 
     def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        overflow, self._global_grad_norm = self.apply_update(clip=True)
+        self._step_applied = not overflow
+        if overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.strategy.zero_grad()
+        self.global_steps += 1
+        if self.settings.empty_cache_every and self.global_steps % self.settings.empty_cache_every == 0 \
+                and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the field report's cure for fragmentation in long runs
+        self.global_samples += self.settings.train_batch_size
+        self._report_progress()
+
+    def apply_update(self, clip: bool) -> tuple[bool, float | None]:
+        """The optimizer's part of a step, what DeepSpeed's ZeRO optimizer does in its ``step()``
+        (and so what the returned optimizer's ``step()`` runs, :class:`ClientOptimizer`): the
+        global norm, the overflow decision, the loss scale's update, then (unless it overflowed)
+        the tier's update, unscaled and, with ``clip``, clipped, and the parameters published.
+        Counters, the scheduler and clearing the gradients are the caller's. Returns whether the
+        step overflowed, and the gradient norm (unscaled; ``inf`` on overflow, None if not computed)."""
         self.checkpointer.fence()  # an asynchronous save copies the states before they change
         scale = self._step_scale = self.loss_scaler.loss_scale
         # The decisions below must be the same on every rank (a rank that skips would leave the
@@ -195,24 +224,11 @@ class Engine(nn.Module):
                 raise
             raise LossScaleCollapse(f"{MIN_SCALE_ERROR}\n{self.overflow_watch.describe()}") from None
         if overflow:
-            self._global_grad_norm = float("inf")
-            self.skipped_steps += 1
-            self._step_applied = False
-        else:
-            combined = clip_coefficient(total_norm or 0.0, scale, self.settings.gradient_clipping)
-            self._global_grad_norm = None if total_norm is None else total_norm / scale
-            self.tier.step(self.strategy.grad_shards(), 1.0 / combined)
-            self.strategy.publish()
-            self._step_applied = True
-        if not overflow and self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.strategy.zero_grad()
-        self.global_steps += 1
-        if self.settings.empty_cache_every and self.global_steps % self.settings.empty_cache_every == 0 \
-                and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the field report's cure for fragmentation in long runs
-        self.global_samples += self.settings.train_batch_size
-        self._report_progress()
+            return True, float("inf")
+        combined = clip_coefficient(total_norm or 0.0, scale, self.settings.gradient_clipping if clip else 0.0)
+        self.tier.step(self.strategy.grad_shards(), 1.0 / combined)
+        self.strategy.publish()
+        return False, None if total_norm is None else total_norm / scale
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """Run one full optimizer step (GAS micro-batches from ``data_iter``); returns the mean loss."""
@@ -286,13 +302,12 @@ class Engine(nn.Module):
         if self.monitors is not None:
             self.monitors.close()
 
-    # --- DeepSpeed's accessors ---------------------------------------------------------------------
+    # --- DeepSpeed's accessors (the rest: raydeep.engine.accessors) ---------------------------------
     @property
-    def optimizer(self):
-        """DeepSpeed's name for what owns the update: here the optimizer tier, which offers
-        ``param_groups`` (and, on the local tier, ``state`` and the torch ``optimizer``) as
-        DeepSpeed's ZeRO optimizer wrappers do."""
-        return self.tier
+    def optimizer(self) -> ClientOptimizer:
+        """What ``initialize`` returns as the optimizer: DeepSpeed's ZeRO optimizer contract over
+        the optimizer tier (a client may call its ``step()`` and ``zero_grad()`` itself)."""
+        return self._client_optimizer
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -300,40 +315,6 @@ class Engine(nn.Module):
 
     def eval(self):
         return self.train(False)
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_mom(self) -> list:
-        return [g.get("betas", g.get("momentum")) for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self._global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        return self._step_applied
-
-    def fp16_enabled(self) -> bool:
-        return self.settings.precision == "fp16"
-
-    def bfloat16_enabled(self) -> bool:
-        return self.settings.precision == "bf16"
-
-    def zero_optimization_stage(self) -> int:
-        return self.settings.stage
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.settings.micro_batch
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.settings.grad_accum
-
-    def train_batch_size(self) -> int:
-        return self.settings.train_batch_size
-
-    @property
-    def cur_scale(self) -> float:
-        return self.loss_scaler.loss_scale
 
     # --- self-measurement --------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "raydeep"
 # ``raydeep.activation.deepspeed_api``) sit on top.
 LAYERS = [
     {"errors", "console_lines", "train_state", "estimate", "models", "data", "storage", "metrics"},
-    {"comm"},  # thin collectives over torch.distributed
+    {"comm", "accelerator"},  # thin collectives over torch.distributed; DeepSpeed's device object
     {"compression"},  # 1-bit packing, the compressed all-reduce, the compressed optimizers
     {"optim", "precision"},  # DeepSpeed's optimizer/scheduler/scaler semantics: the config checks names here
     {"config"},
@@ -24,7 +24,7 @@ LAYERS = [
     {"checkpoint", "doctor"},
     {"engine"},
     {"ray", "report", "bench", "tune", "autotune"},
-    {"cli", "__main__", "demo", "checkpointing"},
+    {"cli", "__main__", "demo", "checkpointing", "compat"},  # compat: the `deepspeed` module name for Hugging Face
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
 

@@ -98,9 +98,10 @@ def test_the_table_covers_the_fields_the_user_reported():
     for path in ("zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device"):
         assert SUPPORT[path].status == REFUSED and SUPPORT[path].example == "nvme" and "cpu" in SUPPORT[path].inert
     for path in ("zero_optimization.reduce_scatter", "zero_optimization.contiguous_gradients",
-                 "zero_optimization.gather_16bit_weights_on_model_save", "zero_optimization.ignore_unused_parameters"):
+                 "zero_optimization.ignore_unused_parameters"):
         assert SUPPORT[path].status != HONOURED, path
     for path in ("zero_optimization.sub_group_size", "zero_optimization.offload_optimizer.pin_memory",
+                 "zero_optimization.gather_16bit_weights_on_model_save",  # engine.save_16bit_model
                  "zero_optimization.offload_optimizer.ratio", "raydeep.offload_resource", "raydeep.offload_target"):
         assert SUPPORT[path].status == HONOURED, path
 
@@ -161,8 +162,8 @@ def test_a_switched_off_section_is_not_warned_about():
 
 def test_messages_name_the_spelling_the_user_wrote():
     cfg = load_config({"train_micro_batch_size_per_gpu": 1,
-                       "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}})
-    written = "zero_optimization.stage3_gather_16bit_weights_on_model_save = True"
+                       "zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}})
+    written = "zero_optimization.stage3_use_all_reduce_for_fetch_params = True"
     assert any(w.startswith(written) for w in cfg.warnings), cfg.warnings
     cfg = load_config({"train_micro_batch_size_per_gpu": 1,
                        "zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}})

@@ -136,13 +136,15 @@ def test_reload_from_params_takes_the_masters_from_the_shards():
     assert torch.all(tier.masters[1] == 3.0) and not torch.all(tier.masters[0] == 3.0)
 
 
-def test_engine_optimizer_is_the_tier():
+def test_engine_optimizer_fronts_the_tier():
     model = nn.Linear(4, 2)
     engine, optimizer, _, scheduler = raydeep.initialize(model=model, config={
         "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1}},
         "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})
-    assert optimizer is engine.optimizer is engine.tier and isinstance(optimizer, OptimizerTier)
+    # DeepSpeed's ZeRO-optimizer contract in front of the tier (tests/unit/test_client_surface.py)
+    assert optimizer is engine.optimizer and isinstance(engine.tier, OptimizerTier)
+    assert optimizer.param_groups is engine.tier.param_groups and optimizer.masters is engine.tier.masters
     assert scheduler.optimizer is engine.tier and engine.get_lr() == [0.01]
     engine.backward(engine(torch.ones(2, 4, dtype=torch.bfloat16)).float().pow(2).mean())
     engine.step()
