@@ -13,7 +13,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # fails, and so does a test module skipped at import because one of these cannot be imported.
 # A skip that has nothing to do with a peer (no CUDA device, say) belongs on a test not marked
 # ``peers``.
-PEER_PACKAGES = ("deepspeed", "moto")
+PEER_PACKAGES = ("deepspeed", "moto", "transformers", "accelerate")
 _IMPORT_SKIP = re.compile(r"could not import '([\w.]+)'")
 
 

@@ -71,4 +71,3 @@ class CheckpointParts:
     device: torch.device
     stage: int
     precision: str
-    grad_accum: int

@@ -91,7 +91,7 @@ def finish(parts: CheckpointParts, reader: CheckpointReader, state: TierState, w
     client.update({k.removeprefix("client/"): v for k, v in reader.extra().items() if k.startswith("client/")})
     if load_module_only:
         return client
-    parts.train_state.load_state_dict(manifest["counters"], parts.grad_accum)
+    parts.train_state.load_state_dict(manifest["counters"])
     if manifest.get("loss_scaler") and hasattr(parts.scaler, "load_state_dict") \
             and parts.precision == manifest.get("precision"):
         parts.scaler.load_state_dict(manifest["loss_scaler"])

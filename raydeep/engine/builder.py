@@ -86,7 +86,7 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     state = TrainState()
     parts = CheckpointParts(module=model, units=units, tier=tier, scaler=scaler, scheduler=sched, train_state=state,
                             publish=strategy.publish, rank=rank, world_size=world, device=device, stage=stage,
-                            precision=cfg.precision, grad_accum=cfg.gradient_accumulation_steps)
+                            precision=cfg.precision)
     return Engine(model, strategy, tier, sched, scaler, stats, settings, device=device, rank=rank, world_size=world,
                   checkpointer=Checkpointer(parts, CheckpointSettings.from_config(cfg), fence), state=state,
                   oom=OomDiagnosis(cfg, model, device),

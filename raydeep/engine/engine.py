@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.strategy, self.tier, self.lr_scheduler, self.loss_scaler = strategy, tier, lr_scheduler, scaler
         self.stats, self.settings, self.device = stats, settings, device
         self.rank, self.world_size = rank, world_size
-        self.local_rank = int(device.index or 0) if device.type == "cuda" else 0
+        # DeepSpeed's: the launcher's LOCAL_RANK (torchrun, Ray Train), on the CPU too
+        self.local_rank = int(os.environ.get("LOCAL_RANK", device.index or 0))
         self.state = state if state is not None else TrainState()
         self.training_dataloader = None
         self.config = config

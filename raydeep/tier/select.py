@@ -7,6 +7,8 @@ cluster that has such a node, the host otherwise.
 """
 from __future__ import annotations
 
+import inspect
+
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,5 +107,10 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
 
 def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:
     """The user's optimizer class over the tier's masters with its own hyperparameters (a
-    module-level function, so a ``functools.partial`` of it pickles for offload actors)."""
+    module-level function, so a ``functools.partial`` of it pickles for offload actors).
+    Only the keywords ``cls`` takes: a subclass's ``defaults`` may carry its base's (torch's
+    AdamW keeps Adam's ``decoupled_weight_decay``, which AdamW's constructor refuses)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        defaults = {k: v for k, v in defaults.items() if k in parameters}
     return cls(param_groups, **defaults)

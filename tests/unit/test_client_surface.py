@@ -241,3 +241,24 @@ def test_what_the_engine_lacks_is_read_from_the_model():
     assert isinstance(engine, raydeep.DeepSpeedEngine) and raydeep.get_accelerator() is get_accelerator()
     with pytest.raises(AttributeError, match="'Engine' object has no attribute 'no_such_name'"):
         engine.no_such_name
+
+
+def test_a_client_torch_adamw_trains_like_the_configs_adamw():
+    # torch's AdamW keeps Adam's `decoupled_weight_decay` in its defaults, which its own
+    # constructor refuses: the tier rebuilds it over the masters with the keywords it takes.
+    def run(client: bool) -> list[float]:
+        model = _model()
+        config = {k: v for k, v in CONFIG.items() if k != "scheduler"} | {"zero_optimization": {"stage": 2}}
+        if client:
+            config.pop("optimizer")
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        engine, *_ = raydeep.initialize(model=model, optimizer=optimizer if client else None, config=config)
+        losses = []
+        for x, y in _batches():
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    assert run(client=True) == run(client=False)
