@@ -89,3 +89,32 @@ def test_losses_match_deepspeed(raydeep_run, tmp_path):
         _assert_close(raydeep_run[path]["straight"], deepspeed_run[path]["straight"])
         straight, resumed = _losses(deepspeed_run[path]["straight"]), _losses(deepspeed_run[path]["resumed"])
         assert resumed == {s: straight[s] for s in resumed}, f"DeepSpeed's own {path} resume drifted"
+
+
+def _losses(nproc: int, *argv: str) -> list:
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist.harness import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(Path(__file__).with_name("resume_world_script.py")), *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("LOSSES "))[7:])
+
+
+def test_a_trainer_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
+    # DeepSpeed 0.19.8 refuses this resume ("used a DP world size of 2 but the current world size
+    # is 1", DeepSpeed #5405). Every step sees all 16 samples on any number of ranks, so the resumed
+    # losses are the straight run's up to the order of the gradient sum (2 ranks' halves, or one
+    # rank's whole): float32 rounding, a few ulps of a loss near 5 (ulp 4.8e-7) over 4 Adam steps.
+    straight = _losses(2, str(tmp_path / "two"))
+    resumed = _losses(1, str(tmp_path / "one"), str(tmp_path / "two" / "checkpoint-4"))
+    assert [step for step, _ in straight] == list(range(1, 9)) and [step for step, _ in resumed] == [5, 6, 7, 8]
+    assert straight[-1][1] < straight[4][1] < straight[0][1]  # it trains
+    for (_, mine), (_, theirs) in zip(resumed, straight[4:]):
+        assert abs(mine - theirs) <= 8 * 4.8e-7, (resumed, straight[4:])
