@@ -91,7 +91,7 @@ def test_losses_match_deepspeed(raydeep_run, tmp_path):
         assert resumed == {s: straight[s] for s in resumed}, f"DeepSpeed's own {path} resume drifted"
 
 
-def _losses(nproc: int, *argv: str) -> list:
+def _run_on_ranks(nproc: int, *argv: str) -> list:
     import os
     import subprocess
     import sys
@@ -112,8 +112,8 @@ def test_a_trainer_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     # is 1", DeepSpeed #5405). Every step sees all 16 samples on any number of ranks, so the resumed
     # losses are the straight run's up to the order of the gradient sum (2 ranks' halves, or one
     # rank's whole): float32 rounding, a few ulps of a loss near 5 (ulp 4.8e-7) over 4 Adam steps.
-    straight = _losses(2, str(tmp_path / "two"))
-    resumed = _losses(1, str(tmp_path / "one"), str(tmp_path / "two" / "checkpoint-4"))
+    straight = _run_on_ranks(2, str(tmp_path / "two"))
+    resumed = _run_on_ranks(1, str(tmp_path / "one"), str(tmp_path / "two" / "checkpoint-4"))
     assert [step for step, _ in straight] == list(range(1, 9)) and [step for step, _ in resumed] == [5, 6, 7, 8]
     assert straight[-1][1] < straight[4][1] < straight[0][1]  # it trains
     for (_, mine), (_, theirs) in zip(resumed, straight[4:]):
