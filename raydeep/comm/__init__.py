@@ -137,12 +137,7 @@ class _Profile:
         self.logger.append(deepspeed_name(self.label), self.record, self.spent_s * 1000.0, self.nbytes, self.world)
 
 
-def world_size(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
-def rank(group=None) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+world_size, rank = get_world_size, get_rank  # the names the engine uses (1 and 0 without a group)
 
 
 def _skip(group) -> bool:

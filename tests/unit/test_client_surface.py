@@ -6,7 +6,6 @@ The multi-rank behaviour against DeepSpeed itself: tests/dist/test_client_confor
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -225,7 +224,6 @@ def test_at_stage_3_save_16bit_model_needs_deepspeeds_flag(tmp_path):
     assert sorted(saved) == sorted(masters)
     for name in masters:  # fp32 training: the module's weights are the masters
         assert torch.equal(saved[name], masters[name]), name
-    assert os.path.getsize(tmp_path / "on" / "pytorch_model.bin") > 4 * sum(t.numel() for t in masters.values())
 
 
 def test_what_the_engine_lacks_is_read_from_the_model():
