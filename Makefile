@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet $(PIP_C) -e '.[test,peers]'
+	$(VENV)/bin/python -m raydeep.tier.cpu_update --build
 	touch $@
 
 venv: $(VENV)/.installed

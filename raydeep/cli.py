@@ -75,9 +75,19 @@ def _doctor(args: argparse.Namespace) -> int:
     cluster = Cluster(world_size=world, gpus_per_node=gpus_per_node,
                       device_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
                       host_memory=parse_bytes(args.cpu_memory) if args.cpu_memory else None)
-    report = diagnose(args.config, shape, cluster, overrides=args.set, on_device=not args.cpu)
+    report = diagnose(args.config, shape, cluster, overrides=args.set, on_device=not args.cpu,
+                      offload_rates=_offload_rates(args))
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return report.exit_code
+
+
+def _offload_rates(args: argparse.Namespace):
+    """The rates the offload prediction uses: given, or this machine's CPU update measured."""
+    from raydeep.doctor.offload import OffloadRates, measured_cpu_rate
+    from raydeep.doctor.shape import parse_bytes
+
+    rate = args.cpu_update_rate or measured_cpu_rate()
+    return OffloadRates(rate, args.cpu_threads, parse_bytes(args.offload_bandwidth), args.device_tflops)
 
 
 def _doctor_shape(args: argparse.Namespace):
@@ -219,6 +229,15 @@ def _add_doctor_parser(sub) -> None:
     doctor.add_argument("--cpu", action="store_true", help="CPU ranks: no caching-allocator margin")
     doctor.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a ds_config key")
     doctor.add_argument("--json", action="store_true", help="the report as JSON")
+    offload = doctor.add_argument_group("optimizer offload (what it adds to a step)")
+    offload.add_argument("--cpu-update-rate", type=_parse_count, metavar="ELEMS_PER_S",
+                         help="the CPU update's elements/s per thread (default: measured on this machine)")
+    offload.add_argument("--cpu-threads", type=int, default=8, help="threads each rank's CPU update gets (8)")
+    offload.add_argument("--offload-bandwidth", default="25GB", metavar="BYTES_PER_S",
+                         help="per second, each way, rank to masters: pinned PCIe 4.0 x16 is about 25GB (default); "
+                              "the network's for offload actors")
+    offload.add_argument("--device-tflops", type=float, help="the device's dense peak, to estimate forward and "
+                         "backward (e.g. 989 for an H100's bf16)")
     doctor.set_defaults(func=_doctor)
 
 

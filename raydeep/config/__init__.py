@@ -31,7 +31,9 @@ AUTO_DROPPING_SECTIONS = ("zero_optimization", "fp16", "bf16", "comms_logger", "
                           "wandb", "comet")
 
 # Keys whose own value set includes "auto" (a real setting, not a placeholder to fill in).
-AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "raydeep.offload_target", "data_types.keep_in_fp32_modules"})
+AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "raydeep.offload_target", "data_types.keep_in_fp32_modules",
+                             "zero_optimization.zenflow.select_strategy", "zero_optimization.zenflow.select_interval",
+                             "zero_optimization.zenflow.update_interval"})
 # Where Hugging Face's integration fills each "auto" from, to make the unresolved-key error useful.
 HF_SOURCES = {
     "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
@@ -145,7 +147,7 @@ def _resolve_auto(data: dict, warnings: list[str]) -> None:
     for name in AUTO_DROPPING_SECTIONS:
         section = data.get(name)
         if isinstance(section, dict):
-            for key in drop_auto(section):
+            for key in drop_auto(section, name, AUTO_IS_A_VALUE):
                 warnings.append(f'{name}.{key} = "auto" was not resolved: using its default, as DeepSpeed does '
                                 f"(set it with --set {name}.{key}=VALUE)")
     if data.get("train_batch_size") == AUTO:

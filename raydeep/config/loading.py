@@ -167,14 +167,15 @@ def find_auto(data: Any, prefix: str = "") -> list[str]:
     return found
 
 
-def drop_auto(section: dict) -> list[str]:
-    """Remove "auto" values from a section in place (DeepSpeed's pydantic sections do this)."""
+def drop_auto(section: dict, path: str = "", keep: frozenset = frozenset()) -> list[str]:
+    """Remove "auto" values from a section in place (DeepSpeed's pydantic sections do this),
+    except at the dotted paths in ``keep`` (under ``path``), where "auto" is a real value."""
     dropped = []
     for key in list(section):
-        value = section[key]
-        if value == AUTO:
+        value, here = section[key], f"{path}.{key}" if path else key
+        if value == AUTO and here not in keep:
             del section[key]
             dropped.append(key)
         elif isinstance(value, dict):
-            dropped += [f"{key}.{k}" for k in drop_auto(value)]
+            dropped += [f"{key}.{k}" for k in drop_auto(value, here, keep)]
     return dropped

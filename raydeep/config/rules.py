@@ -61,6 +61,16 @@ def _offload_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     if opt is not None and opt.device != "none" and zero.stage == 0:
         warnings.append("zero_optimization.offload_optimizer has no effect at ZeRO stage 0 (DeepSpeed offloads "
                         "from stage 1 on): use stage 1-3 to keep the optimizer states in host memory")
+    delayed = cfg.raydeep.delayed_update or (zero.zenflow is not None and zero.zenflow.overlap_step)
+    key = "raydeep.delayed_update" if cfg.raydeep.delayed_update else "zero_optimization.zenflow.overlap_step"
+    if delayed and (opt is None or opt.device == "none" or zero.stage == 0):
+        errors.append(ConfigError(key, "the delayed parameter update runs the offloaded optimizer step while the "
+                                  "next forward and backward run; without optimizer offload there is none to delay",
+                                  value=True, fix='set zero_optimization.offload_optimizer.device to "cpu" at stage 1-3, '
+                                  "or remove it"))
+    elif delayed and opt.ratio < 1.0:
+        errors.append(ConfigError(key, "the delayed update needs every sub-group's masters on the host",
+                                  value=True, fix="remove offload_optimizer.ratio or the delayed update"))
     param = zero.offload_param
     if param is not None and param.device != "none" and zero.stage != 3:
         warnings.append(f"zero_optimization.offload_param has no effect at ZeRO stage {zero.stage} (parameters are "

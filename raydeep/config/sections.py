@@ -262,6 +262,17 @@ class RaydeepSection(Section):
     # transfers of one with the CPU step of another) and the CPUs each asks for (its threads).
     offload_actors_per_rank: int = Field(1, ge=1)
     offload_actor_cpus: float = Field(1.0, gt=0)
+    # The host tier's transfer piece, in elements: the next piece's gradients travel while one is
+    # updated. DeepSpeed's sub_group_size keeps its meaning (how much one optimizer step covers).
+    offload_tile_size: int = Field(1 << 22, ge=64)
+    # Threads of the offloaded CPU update (None: the CPUs the worker or offload actor was given).
+    cpu_update_threads: int | None = Field(None, ge=1)
+    # ZeRO-Offload's one-step delayed parameter update: step t's update runs on the CPU while step
+    # t+1's forward and backward run, after delayed_update_warmup_steps ordinary steps. The
+    # gradients are one step stale; off by default, as in ZeRO-Offload. Needs offload_optimizer.
+    # DeepSpeed's zero_optimization.zenflow.overlap_step turns on the same thing.
+    delayed_update: Flag = False
+    delayed_update_warmup_steps: int = Field(10, ge=0)
     # Empty the accelerator allocator's cache every N optimizer steps (0: never). The field
     # report's advice against fragmentation in long runs; it does nothing on a CPU.
     empty_cache_every: int = Field(0, ge=0)

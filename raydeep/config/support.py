@@ -70,6 +70,8 @@ BUILDER, ENGINE = "raydeep/engine/builder.py", "raydeep/engine/engine.py"
 PARTS = "raydeep/checkpoint/parts.py"  # the checkpoint's settings
 SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batch.py", "raydeep/zero/stage3.py"
 
+_ZENFLOW_TOPK = ("raydeep does not split gradients by importance (ZenFlow's top-k columns): every gradient goes "
+                 "through the offloaded update, delayed one step with zenflow.overlap_step")
 _NVME = "it configures NVMe offload, which raydeep does not support (CPU offload does not read it)"
 TIERS = "raydeep/tier/select.py"
 WATCHDOG, WORKER, RAY_TRAINER = "raydeep/ray/watchdog.py", "raydeep/ray/worker.py", "raydeep/ray/trainer.py"
@@ -192,6 +194,16 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.offload_optimizer.super_offload": refuse("SuperOffload is not supported by raydeep",
                                                                 "remove super_offload", True),
     "zero_optimization.sub_group_size": read(TIERS),
+    "zero_optimization.zenflow.overlap_step": read(BUILDER),
+    "zero_optimization.zenflow.full_warm_up_rounds": read(BUILDER),
+    **{f"zero_optimization.zenflow.{k}": warn(_ZENFLOW_TOPK, v) for k, v in {
+        "topk_ratio": 0.2, "select_strategy": "step", "select_interval": 4, "update_interval": 4,
+        "auto_ratio": 0.9, "offload": True}.items()},
+    "zero_optimization.zenflow.pt_reserved_cores_perc": warn(
+        "the offloaded update's threads are raydeep.cpu_update_threads (default: the CPUs the worker or "
+        "offload actor was given)", 0.25),
+    "zero_optimization.zenflow.steps_per_epoch": refuse(
+        "steps_per_epoch is set by DeepSpeed's ZenFlow at run time, not by users", "remove it", 100),
     "zero_optimization.prefetch_bucket_size": read(BUILDER, STAGE3),
     "zero_optimization.param_persistence_threshold": read(BUILDER),
     "zero_optimization.model_persistence_threshold": read(BUILDER),
@@ -224,8 +236,7 @@ SUPPORT: dict[str, Support] = {
            ("zero_quantized_gradients", "ZeRO++ quantized gradients (qgZ)", True, False),
            ("zeropp_loco_param", "LoCo-ZeRO++", {"err_beta": 0.8, "reset_T": 1024}, True),
            ("mics_shard_size", "MiCS", 8, True),
-           ("mics_hierarchical_params_gather", "MiCS", True, True),
-           ("zenflow", "ZenFlow", {}, False))},
+           ("mics_hierarchical_params_gather", "MiCS", True, True))},
     "zero_optimization.memory_efficient_linear": warn("raydeep never replaces the model's linear layers, which "
                                                       "is what false asks for", False),
     "zero_optimization.override_module_apply": warn("raydeep.zero.Init does not wrap Module.apply", False),
@@ -308,6 +319,10 @@ SUPPORT: dict[str, Support] = {
     "raydeep.offload_resource": read(TIERS),
     "raydeep.offload_actors_per_rank": read(TIERS),
     "raydeep.offload_actor_cpus": read(TIERS),
+    "raydeep.offload_tile_size": read(TIERS),
+    "raydeep.cpu_update_threads": read(TIERS),
+    "raydeep.delayed_update": read(BUILDER, ENGINE),
+    "raydeep.delayed_update_warmup_steps": read(BUILDER),
     "raydeep.empty_cache_every": read(BUILDER, ENGINE),
     "raydeep.overflow_diagnosis_after": read(BUILDER),
     "raydeep.metrics": read("raydeep/ray/step_metrics.py"),

@@ -39,6 +39,23 @@ class OffloadParamConfig(Section):
     pin_memory: Flag = True
 
 
+class ZenFlowConfig(Section):
+    """DeepSpeed's ZenFlow (``zenflow``): raydeep honours its ``overlap_step`` (the delayed update,
+    ``raydeep.delayed_update``) and ``full_warm_up_rounds`` (its warm-up steps); the top-k split of
+    important gradients is not implemented (the support table says so per key)."""
+
+    topk_ratio: float = Field(0.1, gt=0.0, lt=1.0)
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    select_interval: Literal["auto"] | int = "auto"
+    update_interval: Literal["auto"] | int = "auto"
+    overlap_step: Flag = False
+    offload: Flag = False
+    auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
+    full_warm_up_rounds: int = Field(0, ge=0)
+    pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)
+    steps_per_epoch: int | None = None
+
+
 class ZeroConfig(Section):
     """ZeRO partitioning: stage 0 (data parallel) to 3 (parameters partitioned)."""
 
@@ -55,6 +72,7 @@ class ZeroConfig(Section):
     elastic_checkpoint: Flag = False
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
+    zenflow: ZenFlowConfig | None = None
     sub_group_size: Count = Field(1_000_000_000, ge=0)
     prefetch_bucket_size: Count = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
     param_persistence_threshold: Count = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
@@ -83,7 +101,6 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: Flag = False
     enable_sanity_checks: Flag = False
     save_muon_momentum_buffer_in_memory: Flag = False
-    zenflow: dict | None = None
     leaf_module: dict | None = None
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ from raydeep.config.loading import apply_overrides
 from raydeep.config.model import BATCH_KEYS
 from raydeep.doctor.fit import Change, changes_that_fit
 from raydeep.doctor.memory import CHECKPOINTING, MemoryPlan, plan_memory
+from raydeep.doctor.offload import OffloadRates, OffloadTime, predict_offload
 from raydeep.doctor.shape import Cluster, Finding, ModelShape
 from raydeep.doctor.traffic import Traffic, predict_traffic
 from raydeep.errors import ConfigError, ConfigErrors
@@ -41,6 +42,7 @@ class DoctorReport:
     config: object | None = None  # the loaded RaydeepConfig, when it loads
     memory: MemoryPlan | None = None
     traffic: Traffic | None = None
+    offload: OffloadTime | None = None
     fixes: list[Change] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)
 
@@ -55,12 +57,16 @@ class DoctorReport:
                 "cluster": {**vars(self.cluster), "nodes": self.cluster.nodes}, "assumed": self.assumed,
                 "memory": self.memory.as_dict() if self.memory else None,
                 "traffic": {"by_op": self.traffic.by_op, "ring_bytes": self.traffic.ring_bytes} if self.traffic else None,
+                "offload": ({**vars(self.offload), "hidden_by_delay": self.offload.hidden_by_delay}
+                            if self.offload else None),
                 "fixes": [c.as_dict() for c in self.fixes], "findings": [f.as_dict() for f in self.findings],
                 "exit_code": self.exit_code}
 
 
-def diagnose(config, shape: ModelShape, cluster: Cluster, overrides=None, on_device: bool = True) -> DoctorReport:
-    """Everything ``raydeep doctor`` prints, as data (see the module docstring)."""
+def diagnose(config, shape: ModelShape, cluster: Cluster, overrides=None, on_device: bool = True,
+             offload_rates: OffloadRates | None = None) -> DoctorReport:
+    """Everything ``raydeep doctor`` prints, as data (see the module docstring). With
+    ``offload_rates``, also what optimizer offload adds to the step (:mod:`raydeep.doctor.offload`)."""
     source = config if isinstance(config, str) else "<dict>"
     report = DoctorReport(source, shape, cluster)
     try:
@@ -75,6 +81,8 @@ def diagnose(config, shape: ModelShape, cluster: Cluster, overrides=None, on_dev
     report.memory = plan_memory(cfg, shape, cluster.device_memory, cluster.host_memory, cluster.gpus_per_node,
                                 on_device=on_device)
     report.traffic = predict_traffic(cfg, shape)
+    if offload_rates is not None:
+        report.offload = predict_offload(cfg, shape, cluster.world_size, offload_rates)
     if report.memory.fits is False:
         report.fixes = changes_that_fit(raw, cfg, shape, cluster)
         report.findings.append(_does_not_fit(report.memory, report.fixes))
@@ -160,6 +168,8 @@ def format_report(report: DoctorReport) -> str:
         t = report.traffic
         ops = ", ".join(f"{op} {b / GB:.3f} GB" for op, b in t.by_op.items()) or "none (one rank)"
         lines.append(f"communication per step and rank: {ops}; sent over a ring: {t.ring_bytes / GB:.3f} GB")
+    if report.offload is not None:
+        lines.append(report.offload.describe())
     if report.memory is not None and report.memory.fits is not None:
         lines.append(f"verdict: {'fits' if report.memory.fits else 'DOES NOT FIT'}")
     if report.fixes:

@@ -82,7 +82,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
         comms_logger=cfg.comms_logger is not None, wall_clock_breakdown=cfg.wall_clock_breakdown,
         empty_cache_every=cfg.raydeep.empty_cache_every,
         overflow_diagnosis_after=cfg.raydeep.overflow_diagnosis_after,
-        gather_16bit_weights_on_model_save=cfg.zero_optimization.gather_16bit_weights_on_model_save)
+        gather_16bit_weights_on_model_save=cfg.zero_optimization.gather_16bit_weights_on_model_save,
+        delayed_update_after=_delayed_update_after(cfg))
     state = TrainState()
     parts = CheckpointParts(module=model, units=units, tier=tier, scaler=scaler, scheduler=sched, train_state=state,
                             publish=strategy.publish, rank=rank, world_size=world, device=device, stage=stage,
@@ -92,6 +93,16 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
                   oom=OomDiagnosis(cfg, model, device),
                   overflow_watch=OverflowWatch(cfg.raydeep.overflow_diagnosis_after, units),
                   monitors=build_monitors(cfg.tensorboard, cfg.csv_monitor, rank), config=raw_config)
+
+
+def _delayed_update_after(cfg) -> int | None:
+    """The steps before the delayed update starts: ``raydeep.delayed_update`` with its warm-up, or
+    DeepSpeed's ``zenflow.overlap_step`` with ZenFlow's ``full_warm_up_rounds`` when given."""
+    zenflow = cfg.zero_optimization.zenflow
+    if zenflow is not None and zenflow.overlap_step:
+        given = "full_warm_up_rounds" in zenflow.model_fields_set
+        return zenflow.full_warm_up_rounds if given else cfg.raydeep.delayed_update_warmup_steps
+    return cfg.raydeep.delayed_update_warmup_steps if cfg.raydeep.delayed_update else None
 
 
 def _place_parameters(model: nn.Module, device: torch.device, dtype: torch.dtype, stats, stage: int) -> None:

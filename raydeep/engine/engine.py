@@ -64,6 +64,8 @@ class EngineSettings:
     empty_cache_every: int = 0
     overflow_diagnosis_after: int = 5
     gather_16bit_weights_on_model_save: bool = False
+    # The delayed parameter update from this many completed steps on (None: never).
+    delayed_update_after: int | None = None
 
 
 class Engine(DeepSpeedAccessors, nn.Module):
@@ -226,11 +228,26 @@ class Engine(DeepSpeedAccessors, nn.Module):
                 raise
             raise LossScaleCollapse(f"{MIN_SCALE_ERROR}\n{self.overflow_watch.describe()}") from None
         if overflow:
+            self.complete_update()  # a pending update still lands
             return True, float("inf")
         combined = clip_coefficient(total_norm or 0.0, scale, self.settings.gradient_clipping if clip else 0.0)
-        self.tier.step(self.strategy.grad_shards(), 1.0 / combined)
+        after = self.settings.delayed_update_after
+        if after is not None and self.global_steps >= after:
+            # ZeRO-Offload's delayed parameter update: the previous step's update lands now and
+            # this one runs while the next forward and backward do, with everything it decides
+            # (skip, clip, learning rate) fixed here.
+            self.tier.submit(self.strategy.grad_shards(), 1.0 / combined)
+        else:
+            self.tier.step(self.strategy.grad_shards(), 1.0 / combined)
         self.strategy.publish()
         return False, None if total_norm is None else total_norm / scale
+
+    def complete_update(self) -> None:
+        """Land a delayed update still running (``raydeep.delayed_update``) and publish it: before
+        a save, a load, an overflowed step, or the end of training."""
+        if self.tier.pending:
+            self.tier.complete()
+            self.strategy.publish()
 
     def train_batch(self, data_iter) -> torch.Tensor:
         """Run one full optimizer step (GAS micro-batches from ``data_iter``); returns the mean loss."""
@@ -266,6 +283,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """
         if exclude_frozen_parameters:
             logger.warning("exclude_frozen_parameters is ignored: frozen parameters are small and always saved")
+        self.complete_update()
         return self.checkpointer.save(save_dir, tag, client_state, save_latest, async_save, keep_last_k)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -274,12 +292,14 @@ class Engine(DeepSpeedAccessors, nn.Module):
         Returns ``(load_path, client_state)``, or ``(None, None)`` when there is no ``latest``."""
         if custom_load_fn is not None:
             raise NotImplementedError("custom_load_fn is not supported by raydeep")
+        self.complete_update()
         with self._loading():
             return self.checkpointer.load(load_dir, tag, load_module_strict, load_optimizer_states,
                                           load_lr_scheduler_states, load_module_only)
 
     def load_first_intact(self, load_dir, tags: list[str], skipped: list[tuple[str, str]] = ()):
         """Load the first of ``tags`` that is intact (see ``Checkpointer.load_first_intact``)."""
+        self.complete_update()
         with self._loading():
             return self.checkpointer.load_first_intact(load_dir, tags, skipped)
 
@@ -299,6 +319,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """Wait for an asynchronous save, release the optimizer tier's offload actors and close
         the monitors' files."""
         self.checkpointer.wait()
+        self.complete_update()
         self.tier.close()
         comm.disable_order_check()
         if self.monitors is not None:

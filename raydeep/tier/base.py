@@ -101,6 +101,21 @@ class OptimizerTier(ABC):
         modified), multiplied by ``scale`` (unscale x clip) before the optimizer reads it. The
         updated parameters are in each ``unit.local`` when it returns."""
 
+    # --- the delayed parameter update (``raydeep.delayed_update``); the offload tiers run it -------
+    def submit(self, grad_shards: list[torch.Tensor], scale: float) -> None:
+        """Start ``step``'s update without waiting for it: the gradients and hyperparameters are
+        taken now, the new parameters reach ``unit.local`` at ``complete``. A tier that cannot
+        run an update in the background steps at once."""
+        self.step(grad_shards, scale)
+
+    def complete(self) -> None:
+        """Wait for a submitted update and write its parameters into ``unit.local``."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether a submitted update has not been completed yet."""
+        return False
+
     def state_dict(self, ranges: list[tuple[int, int]] | None = None, with_optimizer: bool = True) -> TierState:
         """The masters (and, ``with_optimizer``, the optimizer states, scalars and hyperparameters)
         over ``ranges[i]`` of unit ``i`` (default: each unit's ``held_range``). The tensors may be

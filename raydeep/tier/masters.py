@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from raydeep.tier.base import KERNEL_CHOICES, UnitRange
+from raydeep.tier.pieces import PieceAdam, piecewise_adam
 
 
 # Cuts inside a unit fall on multiples of this many elements: a multiple of every CPU vector width
@@ -98,7 +99,7 @@ class MasterShards:
     ``group_options`` that has chunks here."""
 
     def __init__(self, sub_groups: list[list[Chunk]], masters: list[torch.Tensor], group_options: list[dict],
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], threads: int | None = None):
         self.sub_groups = sub_groups
         self.chunks = [c for sg in sub_groups for c in sg]
         assert len(masters) == len(self.chunks)
@@ -120,27 +121,57 @@ class MasterShards:
             for param, c in zip(self.params[first:first + len(sg)], sg):
                 self._buffer_offsets[id(param)] = offset
                 offset += c.numel
+        # Adam/AdamW (torch's fused kernel): updated piece by piece, in one pass on the CPU.
+        self.pieces = PieceAdam(self.optimizer, self.params, threads) if piecewise_adam(self.optimizer) else None
 
     # --- the update -------------------------------------------------------------------------------
-    def step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float) -> list[nn.Parameter]:
+    def step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float, writable: bool = True,
+                       outs: list[torch.Tensor | None] | None = None) -> list[nn.Parameter]:
         """Update sub-group ``k`` from its chunks' gradients (any dtype and device), each
-        multiplied by ``scale``; returns the chunks' updated masters. A gradient already fp32 and
-        on its master's device is scaled in place and read where it is (its owner discards it
-        after the step: the engine zeroes its gradients); any other is copied first."""
-        params = self.params[self._first_chunk[k]:self._first_chunk[k] + len(self.sub_groups[k])]
+        multiplied by ``scale``, and write each chunk's new values into ``outs[i]`` (the model-dtype
+        parameter, or None); returns the chunks' updated masters. With ``writable``, a gradient
+        already fp32 and on its master's device may be scaled in place and read where it is (its
+        owner discards it after the step: the engine zeroes its gradients); any other, and every
+        one when not ``writable`` (an object store's immutable buffer), is copied first."""
+        first = self._first_chunk[k]
+        params = self.params[first:first + len(self.sub_groups[k])]
+        outs = outs or [None] * len(params)
+        if self.pieces is not None:
+            self.begin(k)
+            for j, (param, grad, out) in enumerate(zip(params, grads, outs)):
+                self.update_piece(first + j, 0, param.numel(), grad, scale, out)
+            return params
         held: dict[str, int] = {}
         for param, grad in zip(params, grads):
-            param.grad = self._fp32_grad(param, grad, scale)
-            if param.grad.data_ptr() != grad.data_ptr():  # a copy: a step buffer
+            param.grad = self._fp32_grad(param, grad, scale, writable)
+            if param.grad is not grad:  # a copy: a step buffer
                 held[str(param.device)] = held.get(str(param.device), 0) + param.grad.numel() * 4
-        for place, nbytes in held.items():
-            self.peak_grad_bytes[place] = max(self.peak_grad_bytes.get(place, 0), nbytes)
+        self._count(held)
         self.optimizer.step()
-        for param in params:
+        for param, out in zip(params, outs):
             param.grad = None
+            if out is not None:
+                out.copy_(param.detach(), non_blocking=param.is_pinned())
         return params
 
-    def _fp32_grad(self, param: nn.Parameter, grad: torch.Tensor, scale: float) -> torch.Tensor:
+    # Piece by piece (Adam/AdamW only, ``self.pieces``): a pipeline's finer tiling of a sub-group.
+    def begin(self, k: int) -> None:
+        """Sub-group ``k``'s step starts: its chunks' step counters move (once per step)."""
+        first = self._first_chunk[k]
+        self.pieces.begin(list(range(first, first + len(self.sub_groups[k]))))
+
+    def update_piece(self, i: int, lo: int, hi: int, grad: torch.Tensor, scale: float,
+                     out: torch.Tensor | None) -> None:
+        """Elements ``[lo, hi)`` of chunk ``i`` (flat chunk order) after ``begin`` of its sub-group."""
+        nbytes = self.pieces.update(i, lo, hi, grad, scale, out)
+        if nbytes:
+            self._count({str(self.params[i].device): nbytes})
+
+    def _count(self, held: dict[str, int]) -> None:
+        for place, nbytes in held.items():
+            self.peak_grad_bytes[place] = max(self.peak_grad_bytes.get(place, 0), nbytes)
+
+    def _fp32_grad(self, param: nn.Parameter, grad: torch.Tensor, scale: float, writable: bool) -> torch.Tensor:
         """``grad`` x ``scale`` in fp32 on the master's device: ``grad`` itself when it is that
         already (scaled in place), otherwise a copy.
 
@@ -150,7 +181,10 @@ class MasterShards:
         (16-bit tensor times fp32) gives the same bits but runs several times slower.
         """
         if grad.dtype == torch.float32 and grad.device == param.device and grad.is_contiguous():
-            return grad if scale == 1.0 else grad.mul_(scale)
+            if scale == 1.0:
+                return grad  # read, never written
+            if writable:
+                return grad.mul_(scale)
         if param.device.type != "cpu":
             return grad.to(param.device, torch.float32, copy=True).mul_(scale)
         size = max(sum(c.numel for c in sg) for sg in self.sub_groups)

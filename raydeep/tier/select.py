@@ -67,12 +67,18 @@ class OffloadSettings:
     resource: str = "raydeep_offload"
     actors_per_rank: int = 1
     actor_cpus: float = 1.0
+    tile: int = 1 << 22
+    threads: int | None = None
+    delayed: bool = False  # the delayed parameter update will ask for submit/complete
 
     @classmethod
     def of(cls, zero, options) -> "OffloadSettings":
         """From the ``zero_optimization`` and ``raydeep`` sections."""
+        zenflow = zero.zenflow is not None and zero.zenflow.overlap_step
         return cls(zero.stage, zero.sub_group_size, zero.offload_optimizer, options.offload_target,
-                   options.offload_resource, options.offload_actors_per_rank, options.offload_actor_cpus)
+                   options.offload_resource, options.offload_actors_per_rank, options.offload_actor_cpus,
+                   tile=options.offload_tile_size, threads=options.cpu_update_threads,
+                   delayed=options.delayed_update or zenflow)
 
     @property
     def offloading(self) -> bool:
@@ -95,7 +101,7 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
         target = "actors" if nodes else "host"
     if target == "host":
         return HostTier(units, group_options, make_optimizer, settings.sub_group_size, pin_memory=offload.pin_memory,
-                        ratio=offload.ratio)
+                        ratio=offload.ratio, tile=settings.tile, threads=settings.threads, delayed=settings.delayed)
     from raydeep.tier.actors import ActorTier
 
     if offload.ratio < 1.0:

@@ -17,7 +17,7 @@ def test_offload_benchmark_reports_every_measurement(connected, tmp_path, capsys
     (``python -m benchmarks.offload`` measures at full size)."""
     out = tmp_path / "offload.json"
     report = offload.main(["--numel", "200000", "--actor-numel", "300000", "--sub-group-size", "100000",
-                           "--reps", "2", "--gpt-steps", "3", "--json", str(out)])
+                           "--reps", "2", "--gpt-steps", "3", "--model", "gpt-tiny", "--json", str(out)])
     printed = capsys.readouterr().out
     cpu, actors, gpt = report["cpu_step"], report["actor_pipeline"], report["gpt_2_ranks"]
     assert cpu["tier_step_elems_per_s"] > 0 and cpu["fused_adamw_elems_per_s"] > 0 and math.isfinite(cpu["ratio"])
@@ -25,6 +25,6 @@ def test_offload_benchmark_reports_every_measurement(connected, tmp_path, capsys
     assert actors["step_s"] > 0 and math.isfinite(actors["ratio_vs_max"])
     assert set(gpt["median_step_s"]) == set(offload.TIERS) and gpt["vs_on_the_rank"]["on the rank"] == 1.0
     assert all(t > 0 for t in gpt["median_step_s"].values())
-    for phrase in ("CPU step", "actor tier", "tiny GPT"):
+    for phrase in ("CPU step", "actor tier", "gpt-tiny, 2 ranks"):
         assert phrase in printed
     assert json.loads(out.read_text())["actor_pipeline"]["pieces"] == 3

@@ -88,7 +88,7 @@ def test_gradient_copy_into_the_masters_stays_on_the_device(fake_cuda):
         master = torch.empty(64, device="cuda")
         shards = MasterShards(plan_sub_groups([64], [0], 10 ** 9), [master], [{}],
                               lambda groups: torch.optim.SGD(groups, lr=0.1))
-        grad = shards._fp32_grad(shards.params[0], torch.empty(64, device="cuda", dtype=torch.bfloat16), 0.5)
+        grad = shards._fp32_grad(shards.params[0], torch.empty(64, device="cuda", dtype=torch.bfloat16), 0.5, True)
     assert grad.device.type == "cuda" and grad.dtype == torch.float32
 
 

@@ -12,7 +12,7 @@ from torch import nn
 import raydeep
 from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
 from raydeep.optim.schedulers import build_scheduler
-from raydeep.tier import HostTier, LocalTier, OptimizerTier, TierState, UnitRange
+from raydeep.tier import HostTier, LocalTier, OptimizerTier, TierState, UnitRange, cpu_update
 from raydeep.tier.masters import ALIGN, plan_sub_groups
 from raydeep.zero.flat import FlatUnit
 
@@ -163,9 +163,9 @@ def test_engine_optimizer_fronts_the_tier():
 BIG = ((("a", (17, 19)), ("b", (101,))), (("c", (13, 23)),))  # units cut by sub-groups of 64 and more
 
 
-def _tier(kind: str, units, sub_group_size: int = 10**9):
-    spec = resolve_optimizer("AdamW", {"lr": 1e-2, "weight_decay": 0.1})
-    make = lambda groups: build_optimizer(spec, groups, prefer_fused=True)  # noqa: E731
+def _tier(kind: str, units, sub_group_size: int = 10**9, fused: bool = True):
+    spec = resolve_optimizer("AdamW", {"lr": 1e-2, "weight_decay": 0.1, **({} if fused else {"foreach": True})})
+    make = lambda groups: build_optimizer(spec, groups, prefer_fused=fused)  # noqa: E731
     cls = HostTier if kind == "host" else LocalTier
     return cls(units, [{}, {"weight_decay": 0.0}], make, sub_group_size)
 
@@ -195,15 +195,25 @@ def test_tiers_and_tilings_compute_the_same_bits(dtype, kind, sub_group_size):
 
 
 def test_sub_group_size_bounds_the_fp32_gradients_held_at_once():
+    """An optimizer that steps whole chunks holds one sub-group's fp32 gradients at once; Adam in
+    pieces holds one chunk's at most, and none with the one-pass CPU update."""
     units = _units(torch.bfloat16, shapes=BIG)
     shard = sum(u.layout.shard_numel for u in units)
     assert shard > 256
     for size in (10**9, 128, 256):
-        tier = _tier("local", _units(torch.bfloat16, shapes=BIG), size)
+        tier = _tier("local", _units(torch.bfloat16, shapes=BIG), size, fused=False)
+        assert tier.shards.pieces is None
         tier.step(_grads(units, 1), scale=1.0)
         largest = max(sum(c.numel for c in sg) for sg in tier.sub_groups)
         assert largest == min(shard, size) if size != 256 else largest <= size
         assert tier.memory()["step_buffers"] == {"cpu": 4 * largest}, size
+
+        pieces = _tier("local", _units(torch.bfloat16, shapes=BIG), size)
+        assert pieces.shards.pieces is not None
+        pieces.step(_grads(units, 1), scale=1.0)
+        chunk = max(c.numel for sg in pieces.sub_groups for c in sg)
+        expected = {} if cpu_update.available() else {"cpu": 4 * chunk}
+        assert pieces.memory()["step_buffers"] == expected, size
 
 
 def test_plan_sub_groups_cuts_aligned_and_packs_in_unit_order():
