@@ -23,7 +23,7 @@ from raydeep.checkpoint import restore, snapshot
 from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFence
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.storage import Storage
-from raydeep.checkpoint.writer import TagWriter, committed_tags, new_manifest
+from raydeep.checkpoint.writer import RemoteSink, TagWriter, committed_tags, new_manifest
 from raydeep.errors import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger("raydeep")
@@ -70,8 +70,11 @@ class Checkpointer:
                                             args=(storage, tag, snap, save_latest, keep_last_k))
             self._thread.start()
         else:
-            snap.copy_tensors()
-            self._write_and_commit(storage, tag, snap, save_latest, keep_last_k)
+            try:
+                snap.copy_tensors()
+                self._write_and_commit(storage, tag, snap, save_latest, keep_last_k)
+            finally:
+                snap.release()
         return True
 
     def fence(self) -> None:
@@ -97,6 +100,8 @@ class Checkpointer:
             self._write_and_commit(storage, tag, snap, *args)
         except BaseException as err:  # surfaced by the next wait()
             self._error = err
+        finally:
+            snap.release()
 
     def _write_and_commit(self, storage: Storage, tag: str, snap: snapshot.RankSnapshot, save_latest: bool,
                           keep_last_k: int | None) -> None:
@@ -117,13 +122,18 @@ class Checkpointer:
         # worker's temporary directory, gathered later by ray.train.report): it stages there and
         # moves its own files into place in step 3, as each DeepSpeed rank writes its own files.
         own_directory = rank != 0 and prepared[0][1] is not None and not writer.sees(prepared[0][1])
+        # Offload actors write into this rank's staging location only where they see its mark.
+        sink_mark = uuid.uuid4().hex if own_directory else prepared[0][1]
         if own_directory:
-            writer.prepare()
+            writer.prepare(sink_mark)
 
-        # 2. Every rank writes its own file(s); rank 0 collects their digests.
+        # 2. Every rank writes its own file(s), and has its offload actors write theirs (part files
+        # of the same staging location, or handed back here when they cannot see it); rank 0
+        # collects the digests.
         def write_own_files():
             name = fmt.rank_file(rank, world)
             files = {name: {**writer.write_file(name, fmt.encode(snap.tensors)), "pieces": snap.pieces}}
+            files.update(snap.write_remote(RemoteSink(writer, sink_mark), rank, world))
             if rank == 0:
                 files[fmt.EXTRA_FILE] = writer.write_file(fmt.EXTRA_FILE, fmt.encode(snap.extra))
             return files, snapshot.rng_json(snap.rng)
@@ -132,6 +142,7 @@ class Checkpointer:
         # 3. Rank 0 commits (manifest last, then ``latest``, then retention).
         def commit():
             if own_directory:
+                writer.unmark()
                 writer.move_into_place()
             if rank != 0:
                 return

@@ -7,6 +7,7 @@
       <tag>/
         manifest.json                 # written last: its presence is the commit
         rank00000-of-00004.safetensors
+        rank00000-of-00004-part000.safetensors   # pieces written by the rank's offload actors
         ...
         extra.safetensors             # buffers, frozen parameters, client-state tensors (rank 0)
 
@@ -16,7 +17,9 @@ for each kind of state: ``fp32`` (the master weights) and every per-element opti
 with the pieces packed one after another; the manifest lists, per file, its pieces as
 ``[param, start, end, offset]`` and its sha256, so a loader at any world size and stage finds
 which files hold the ranges it now owns and verifies them before use. (Few large tensors keep
-serialising cheap, which matters for a save running beside training.) Everything else
+serialising cheap, which matters for a save running beside training.) A rank whose states live
+elsewhere (offload actors) has them write *part files*, holding pieces the same way; its rank
+file then holds only what the rank itself holds. Everything else
 (counters, scheduler, loss scaler, optimizer hyperparameters, RNG states) is plain JSON in
 the manifest: loading never unpickles.
 """
@@ -44,6 +47,11 @@ RANK_LOCAL = "rank_local/"
 
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def part_file(rank: int, world_size: int, part: int) -> str:
+    """A file of rank ``rank``'s pieces that another process wrote (offload actor ``part``)."""
+    return f"rank{rank:05d}-of-{world_size:05d}-part{part:03d}.safetensors"
 
 
 class PackedFile:

@@ -4,12 +4,17 @@ Each rank saves, for every FlatUnit, the element ranges it owns: its shard for s
 for stage 0 (where every rank holds everything) an even split of each unit across the ranks, so
 the save is shared out in every stage. Pieces are copied once, packed per kind (the snapshot must
 not change while an asynchronous write is in flight); padding is never saved.
+
+A tier whose states live in other processes (``ActorTier``: offload actors on CPU nodes) offers
+``remote_snapshot``: the copy is taken there and written from there as the rank's part files
+(``format.part_file``), so the masters and optimizer states never reach the rank's memory.
 """
 from __future__ import annotations
 
 import base64
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,15 +39,36 @@ class RankSnapshot:
     # On CUDA: recorded on the training stream when the snapshot is taken, so the copies (maybe
     # in the writer thread, on their own stream) start after the step that produced the states.
     ready: "torch.cuda.Event | None" = None
+    # A copy held by the tier's own processes (``remote_snapshot``), written by them as part files
+    # whose pieces are ``remote_pieces[i]``; None when the pieces are in ``tensors``.
+    remote: Any = None
+    remote_pieces: list[list[list]] = field(default_factory=list)
 
     def copy_tensors(self) -> None:
         """Copy the states the snapshot points at into host memory (once). Until then they must
-        not change."""
+        not change. A remote copy is already taken: rank 0 adds its optimizer fields to the
+        manifest (its state dtypes and scalars come from where the copy is)."""
         if self.packed is not None:
             self.tensors, self.packed = self.packed.tensors(after=self.ready), None
             self.tensors.update({fmt.RANK_LOCAL + name: t.detach().to("cpu", copy=True)
                                  for name, t in self.rank_local.items()})
             self.rank_local = {}
+            if self.remote is not None and self.manifest:
+                self.manifest.update(_optimizer_fields(self.remote.state()))
+
+    def write_remote(self, sink, rank: int, world_size: int) -> dict[str, dict]:
+        """The remote copy written as this rank's part files through ``sink``
+        (``writer.RemoteSink``); returns their manifest entries."""
+        if self.remote is None:
+            return {}
+        names = [fmt.part_file(rank, world_size, i) for i in range(len(self.remote_pieces))]
+        entries = self.remote.write(names, sink)
+        return {name: {**entry, "pieces": pieces} for name, entry, pieces in zip(names, entries, self.remote_pieces)}
+
+    def release(self) -> None:
+        """A save that failed: drop a remote copy that was not written."""
+        if self.remote is not None:
+            self.remote.discard()
 
 
 def held_range(unit) -> tuple[int, int, int]:
@@ -78,15 +104,17 @@ def take(parts: CheckpointParts, client_state: dict | None, static: dict | None 
     Model-wide tensors (buffers may change in a forward) are copied here.
     """
     snap = RankSnapshot(rng=_capture_rng())
-    state = parts.tier.state_dict([owned_range(u, parts.rank, parts.world_size)[:2] for u in parts.units])
+    ranges = [owned_range(u, parts.rank, parts.world_size)[:2] for u in parts.units]
+    remote_snapshot = getattr(parts.tier, "remote_snapshot", None)
     packed = fmt.PackedFile()
-    for unit, piece in zip(parts.units, state.units):
-        if piece.start >= piece.end:
-            continue
-        # The unit's parameters lie back to back, so the pieces of [start, end) are one slice.
-        by_kind = {fmt.MASTER: piece.master, **piece.states}
-        packed.add_run([(slot.name, s - slot.offset, e - slot.offset)
-                        for slot, s, e in pieces_in(unit, piece.start, piece.end)], by_kind)
+    if remote_snapshot is not None:
+        state, snap.remote = None, remote_snapshot(ranges)
+        snap.remote_pieces = [_runs_pieces(parts.units, runs) for runs in snap.remote.segments]
+    else:
+        state = parts.tier.state_dict(ranges)
+        for unit, piece in zip(parts.units, state.units):
+            if piece.start < piece.end:
+                _add_run(packed, unit, piece.start, piece.end, {fmt.MASTER: piece.master, **piece.states})
     snap.packed, snap.pieces = packed, packed.pieces
     snap.rank_local = parts.tier.rank_state()
     if parts.device.type == "cuda":
@@ -99,6 +127,20 @@ def take(parts: CheckpointParts, client_state: dict | None, static: dict | None 
         if snap.manifest["client_state"]:
             fmt.to_json(snap.manifest["client_state"], "client_state")  # fail now, in the caller's thread
     return snap
+
+
+def _add_run(packed: fmt.PackedFile, unit, start: int, end: int, by_kind: dict) -> None:
+    # The unit's parameters lie back to back, so the pieces of [start, end) are one slice.
+    packed.add_run([(slot.name, s - slot.offset, e - slot.offset) for slot, s, e in pieces_in(unit, start, end)],
+                   by_kind)
+
+
+def _runs_pieces(units: list, runs: list[tuple[int, int, int]]) -> list[list]:
+    """The pieces of a part file packing ``(unit, flat start, flat end)`` runs back to back."""
+    packed = fmt.PackedFile()
+    for u, start, end in runs:
+        _add_run(packed, units[u], start, end, {})
+    return packed.pieces
 
 
 def static_state(parts: CheckpointParts, config: dict | None = None) -> dict:
@@ -114,18 +156,24 @@ def static_state(parts: CheckpointParts, config: dict | None = None) -> dict:
 
 
 def _dynamic_state(parts: CheckpointParts, state) -> dict:
-    """Counters, optimizer scalars and hyperparameters (from the tier's ``state``), scheduler, scaler."""
+    """Counters, optimizer scalars and hyperparameters (from the tier's ``state``; None: added
+    by ``copy_tensors`` from the remote copy), scheduler, scaler."""
     scaler = parts.scaler.state_dict() if hasattr(parts.scaler, "state_dict") else None
     sched = parts.scheduler.state_dict() if parts.scheduler is not None else None
     return {
         "counters": parts.train_state.state_dict(),
-        "optimizer": {"class": state.optimizer, "state_keys": list(state.state_dtypes),
-                      "state_dtypes": {k: fmt.dtype_name(d) for k, d in state.state_dtypes.items()},
-                      "scalars": state.scalars},
-        "param_groups": state.param_groups, "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
+        **(_optimizer_fields(state) if state is not None else {}),
+        "lr_scheduler": _jsonable(sched, "lr_scheduler state"),
         "rank_local": sorted(parts.tier.rank_state()),  # names in every rank's file (error feedback)
         "loss_scaler": _jsonable(scaler, "loss scaler state"),
     }
+
+
+def _optimizer_fields(state) -> dict:
+    return {"optimizer": {"class": state.optimizer, "state_keys": list(state.state_dtypes),
+                          "state_dtypes": {k: fmt.dtype_name(d) for k, d in state.state_dtypes.items()},
+                          "scalars": state.scalars},
+            "param_groups": state.param_groups}
 
 
 def _jsonable(obj, what: str):

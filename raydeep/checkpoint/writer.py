@@ -3,7 +3,8 @@
 Protocol (every rank calls the collective steps in the same order; see ``checkpointer.py``):
 
 1. rank 0 clears the staging location of the tag and marks it with a token the ranks share;
-2. every rank writes its own file(s) into it (fsynced on local disks);
+2. every rank writes its own file(s) into it (fsynced on local disks), and a rank's offload
+   actors write its part files there too (``RemoteSink``), before the rank reports its digests;
 3. rank 0 writes ``manifest.json`` (with every file's sha256) last, moves the staging directory
    into place when the filesystem can rename, then rewrites ``latest`` and prunes old tags.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +48,8 @@ class TagWriter:
 
     def prepare(self, mark: str | None = None) -> None:
         """Rank 0 (and a rank saving to a directory of its own), before any rank writes: start
-        from an empty staging location; ``mark`` lets the other ranks find out whether they see it."""
+        from an empty staging location; ``mark`` lets the other ranks (and offload actors) find
+        out whether they see it."""
         if self.storage.is_local:
             self.storage.delete_dir(self.staging)
         elif self.storage.exists(f"{self.tag}/{fmt.MANIFEST}"):
@@ -62,6 +65,11 @@ class TagWriter:
             return self.storage.read(f"{self.staging}/{_MARK}").decode() == mark
         except (OSError, UnicodeDecodeError):
             return False
+
+    def unmark(self) -> None:
+        """Remove the mark ``prepare`` left (before the staging location becomes the tag)."""
+        if self.storage.exists(f"{self.staging}/{_MARK}"):
+            self.storage.fs.delete_file(self.storage.path(f"{self.staging}/{_MARK}"))
 
     def write_file(self, name: str, data: bytes | list) -> dict:
         """Write one file of the tag (bytes, or buffers from ``format.encode``); returns its
@@ -86,8 +94,7 @@ class TagWriter:
 
         ``known_tags``: the caller's running ``committed_tags`` list for this storage (kept up to
         date here), so that retention does not re-read every manifest on every save."""
-        if self.storage.exists(f"{self.staging}/{_MARK}"):
-            self.storage.fs.delete_file(self.storage.path(f"{self.staging}/{_MARK}"))
+        self.unmark()
         self.storage.write(f"{self.staging}/{fmt.MANIFEST}", fmt.to_json(manifest, "checkpoint manifest").encode())
         self.move_into_place()
         if save_latest:
@@ -101,6 +108,28 @@ class TagWriter:
                                    + [(manifest["counters"]["global_steps"], self.tag)])
         if keep_last_k:
             prune(self.storage, keep_last_k, known_tags, latest=self.tag if save_latest else None)
+
+
+@dataclass(frozen=True)
+class RemoteSink:
+    """Writes part files of a rank's tag from another process -- an offload actor, maybe on another
+    node -- into the staging location the rank writes into (picklable: it travels to the actor).
+
+    ``mark`` is the mark of that location (None on an object store, which every node reaches by
+    its URI): a process that does not see it (a node-local directory on another node) must not
+    write there, and hands its tensors to the rank instead (``raydeep.tier.actors``).
+    """
+
+    writer: TagWriter
+    mark: str | None
+
+    def reachable(self) -> bool:
+        return self.mark is None or self.writer.sees(self.mark)
+
+    def __call__(self, name: str, master: torch.Tensor, states: dict[str, torch.Tensor]) -> dict:
+        """Write one part file (``fp32`` and each per-element state, packed as the snapshot
+        packed them); returns its manifest entry, less its pieces."""
+        return self.writer.write_file(name, fmt.encode({fmt.MASTER: master, **states}))
 
 
 def committed_tags(storage: Storage) -> list[tuple[int, str]]:

@@ -7,6 +7,7 @@ ask of a tier.
   by ``sub_group_size`` -- what every tier runs, wherever it runs;
 - ``local``: ``LocalTier`` (on the rank's device) and ``HostTier`` (ZeRO-Offload to host memory);
 - ``actors``: ``ActorTier`` (ZeRO-Offload to Ray actors on CPU nodes, through the object store);
+- ``offload_actor``: what runs inside each of those actors (its masters, update and part files);
 - ``select``: which tier a config asks for.
 """
 from raydeep.tier.base import KERNEL_CHOICES, OptimizerTier, TierState, UnitRange

@@ -7,31 +7,64 @@ and the hyperparameters the LR schedulers write.
 
 A step, per sub-group k (``sub_group_size`` elements at most): the rank puts the owned gradient
 chunks (model dtype, as numpy buffers) into the object store and calls ``step`` on the actor
-that owns sub-group k; the actor reads them zero-copy, multiplies by the one scale, runs the torch
-optimizer on its fp32 masters, and returns the updated parameters in the model dtype, which the
-rank copies into ``unit.local``. All calls are submitted before the first result is awaited, so
-sub-group k+1 is in transit while the actor computes sub-group k (an actor runs its calls in
-order). The overflow and clipping decisions were made on the rank before anything was sent.
+that owns sub-group k (k mod the number of actors); the actor reads them zero-copy (read-only:
+an object-store buffer is immutable, so even an fp32 gradient is scaled into a copy), multiplies
+by the one scale, runs the torch optimizer on its fp32 masters, and returns the updated
+parameters in the model dtype, which the rank copies into ``unit.local``. The overflow and
+clipping decisions were made on the rank before anything was sent. What runs in the actor
+process, and how tensors travel, is ``raydeep.tier.offload_actor``.
+
+Note: at most ``2 x actors`` sub-groups are in flight per rank (``in_flight_limit``): one
+computing on each actor and the next queued behind it, which is all the overlap an actor that
+runs its calls in order can use; more would only hold more gradients (and results) in the
+object store at once, which for a large shard means spilling to disk. A step is ``_submit``
+(captures the scale and the hyperparameters, and sends the first pieces: ``.remote()`` copies
+their gradients into the object store) then ``_collect`` (the only writer of ``unit.local``);
+``step`` is ``_collect(_submit(...))``. Whoever drives the pipeline takes the results oldest
+first and sends the next piece into each freed place before copying the result. In a ``step``
+that is ``_collect`` itself, reading the gradient shards where they are, so they must not change
+until it returns. The delayed parameter update (``submit``/``complete``, the engine's
+``raydeep.delayed_update``) runs while the next forward and backward do, after the engine has
+cleared the gradients: there ``_submit`` copies the gradients into a held host buffer (their
+dtype; a second one, in the model dtype, takes the parameters coming back: 2 + 2 bytes per
+element of the shard in bf16), a driver thread sends the rest of the pieces and takes the
+results into the held buffer, and ``_collect`` waits for it and copies them into ``unit.local``.
+
+Checkpoints (``remote_snapshot``, used by ``raydeep.checkpoint.snapshot``): each actor copies
+its chunks' part of the ranges a checkpoint saves, inside the actor -- its calls run in order,
+so the copy holds the state of the last step and of no later one, whatever the rank does next --
+and keeps it (12 bytes per element for AdamW, on the CPU node) until ``RemoteSnapshot.write``
+has it write the copy as a part file of the rank through the sink the checkpoint provides (its
+format, its storage, its staging location), returning only the file's digest and size. The
+masters and optimizer states never pass through the rank. An actor that does not see the mark
+of the rank's staging location (a node-local directory on another node) hands its copy to the
+rank instead, which writes the same file. The commit stays the checkpoint's: the rank reports its
+digests only after its actors' files are written, and the manifest comes last.
 
 Fault model: Ray Train restarts the whole worker group. The actors are created by the worker
-with ``max_restarts=0``, so they share its fate: they die with it, and a dead actor fails the
-attempt (``OffloadActorLost``, retried) whose next attempt recreates them from the checkpoint.
-No placement group is created, so none can leak.
+with ``max_restarts=0``, so they share its fate: they die with it, and a dead actor or a lost
+object fails the attempt (``OffloadActorLost``, retried) whose next attempt recreates them from
+the checkpoint. No placement group is created, so none can leak.
 """
 from __future__ import annotations
 
 import time
 import uuid
-import warnings
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
-from raydeep.tier.base import OptimizerTier, UnitRange
-from raydeep.tier.masters import MasterShards, Segment, plan_sub_groups
+from raydeep.tier.base import OptimizerTier, TierState, UnitRange
+from raydeep.tier.masters import plan_sub_groups
+from raydeep.tier.offload_actor import OffloadActor, dtype_of, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
+
+__all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "fetch", "from_wire",
+           "lost_errors", "to_wire"]
 
 # An offload actor takes this much of the marking resource: the resource marks nodes, the CPUs
 # an actor asks for (``offload_actor_cpus``) are what limit how many fit on one.
@@ -39,95 +72,97 @@ RESOURCE_SHARE = 0.001
 
 
 class OffloadActorLost(RuntimeError):
-    """An offload actor died (its node was lost or it was killed). Retryable: Ray Train restarts
-    the worker group, whose next attempt recreates the actors from the last checkpoint."""
+    """An offload actor died (its node was lost or it was killed), or an object on the way to or
+    from one was lost. Retryable: Ray Train restarts the worker group, whose next attempt
+    recreates the actors from the last checkpoint."""
 
 
-def to_wire(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as a numpy array Ray stores zero-copy (numpy has no bfloat16: its bits
-    travel as int16)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+def lost_errors() -> tuple[type, ...]:
+    """Ray 2.60's errors for a lost actor, object, worker or node: ``RayActorError``
+    (``ActorDiedError``, ``ActorUnavailableError``), ``ObjectLostError`` (``OwnerDiedError``,
+    ``ObjectReconstructionFailedError``, ``ObjectFetchTimedOutError``, ``ObjectFreedError``),
+    ``NodeDiedError``, ``WorkerCrashedError``, ``LocalRayletDiedError``. Not ``RayTaskError``: an
+    exception raised by the actor's own code is a bug, not a loss."""
+    from ray import exceptions as e
+
+    return (e.RayActorError, e.ObjectLostError, e.NodeDiedError, e.WorkerCrashedError, e.LocalRayletDiedError)
 
 
-def from_wire(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor ``to_wire`` sent: a read-only view of the object store's buffer (never written)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+def fetch(refs):
+    """``ray.get``, with every loss (``lost_errors``) raised as ``OffloadActorLost``."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except lost_errors() as err:
+        raise OffloadActorLost(f"an offload actor of this rank or an object it needed was lost "
+                               f"({type(err).__name__}); the attempt fails and restarts from the last checkpoint") \
+            from err
 
 
-class OffloadActor:
-    """Holds a ``MasterShards`` over the sub-groups a rank gave it (a Ray actor; see the module
-    docstring). Every method is called by the owning rank only."""
+@dataclass
+class StepHandle:
+    """An update ``ActorTier._submit`` started and ``ActorTier._collect`` finishes."""
 
-    def __init__(self, sub_groups, group_options: list[dict], make_optimizer: Callable, threads: int):
-        torch.set_num_threads(max(1, threads))
-        self.sub_groups, self.group_options, self.make_optimizer = sub_groups, group_options, make_optimizer
-        self.shards: MasterShards | None = None
-        self.model_dtype = torch.float32
-        self._out: torch.Tensor | None = None
+    grads: list[torch.Tensor]  # the gradient shards: pieces from ``next`` on are not sent yet
+    scale: float
+    hyper: list[dict]  # the hyperparameters at submit time
+    grad_dtype: str
+    began: float
+    next: int = 0  # the next sub-group to send
+    in_flight: deque = field(default_factory=deque)  # (sub-group, call), oldest first
+    out: list[torch.Tensor] = field(default_factory=list)  # where results go: each ``unit.local``, or held
+    driver: Future | None = None  # the thread running ``_drive``, in the background
+    copying: float = 0.0  # seconds this process spent copying gradients and parameters and sending
+    computing: dict[int, float] = field(default_factory=dict)  # CPU-step seconds per actor
+    finished: float = 0.0  # when the last result was taken
 
-    def start(self, masters: list[np.ndarray], dtype_name: str) -> str:
-        """Build the fp32 masters from the rank's parameters (model dtype); returns the node id."""
-        import ray
 
-        self.model_dtype = getattr(torch, dtype_name)
-        fp32 = [from_wire(a, self.model_dtype).to(torch.float32, copy=True) for a in masters]
-        self.shards = MasterShards(self.sub_groups, fp32, self.group_options, self.make_optimizer)
-        return ray.get_runtime_context().get_node_id()
+@dataclass
+class RemoteSnapshot:
+    """A copy of an ``ActorTier``'s state over some ranges, held in its actors (see the module
+    docstring). ``segments[a]`` lists ``(unit, flat start, flat end)`` of actor ``a``'s copy in
+    the order it packed them: element ``i`` of its tensors is element ``i`` of those runs."""
 
-    def step(self, k: int, grads: list[np.ndarray], grad_dtype: str, scale: float,
-             hyper: list[dict]) -> tuple[list[np.ndarray], float]:
-        """Update sub-group ``k``; returns its chunks' parameters in the model dtype and the seconds
-        the CPU step took."""
-        began = time.perf_counter()
-        if k == 0:
-            self.shards.peak_grad_bytes = {}
-        self.shards.set_hyperparameters(hyper)
-        dtype = getattr(torch, grad_dtype)
-        params = self.shards.step_sub_group(k, [from_wire(a, dtype) for a in grads], scale)
-        return self._parameters(params), time.perf_counter() - began
+    tier: "ActorTier"
+    key: str
+    calls: list  # one per actor: its state dtypes and scalars
+    segments: list[list[tuple[int, int, int]]]
+    optimizer: str
+    param_groups: list[dict]
+    written: bool = False
 
-    def _parameters(self, params: list[nn.Parameter]) -> list[np.ndarray]:
-        """The chunks' masters in the model dtype, written into one reused buffer (Ray copies a
-        return value into the object store before the next call runs, so reuse is safe)."""
-        if self.model_dtype == torch.float32:
-            return [to_wire(p.detach()) for p in params]
-        size = sum(p.numel() for p in params)
-        if self._out is None or self._out.numel() < size:
-            self._out = torch.empty(size, dtype=self.model_dtype)
-        out, offset = [], 0
-        for p in params:
-            out.append(to_wire(self._out[offset:offset + p.numel()].copy_(p.detach())))
-            offset += p.numel()
-        return out
+    def state(self) -> TierState:
+        """The optimizer's name, state dtypes, hyperparameters and scalars (no tensors: ``units``
+        is empty); waits for the actors' copies."""
+        dtypes, scalars = {}, {}
+        for part_dtypes, part_scalars in self.tier._get(self.calls):
+            dtypes.update(part_dtypes)
+            for g, found in part_scalars.items():
+                scalars.setdefault(g, {}).update(found)
+        return TierState([], self.optimizer, dtypes, self.param_groups,
+                         [scalars.get(g, {}) for g in range(len(self.param_groups))])
 
-    def export(self, ranges: dict[int, tuple[int, int]], with_optimizer: bool):
-        segments = [Segment(s.unit, s.lo, s.hi, s.master.clone(), {k: v.clone() for k, v in s.states.items()})
-                    for s in self.shards.export(ranges, with_optimizer)]
-        dtypes, scalars = self.shards.scalars() if with_optimizer else ({}, {})
-        return segments, dtypes, scalars
+    def write(self, names: list[str], sink) -> list[dict]:
+        """Actor ``a`` writes its copy as file ``names[a]`` through ``sink`` (``sink.reachable()``,
+        ``sink(name, master, states) -> entry``; picklable); returns each file's entry. An actor
+        that cannot reach the storage hands its copy here, and this process writes it."""
+        actors = self.tier.actors
+        entries = self.tier._get([a.write_snapshot.remote(self.key, sink, n) for a, n in zip(actors, names)])
+        for a, entry in enumerate(entries):
+            if entry is None:
+                master, states = self.tier._get(actors[a].fetch_snapshot.remote(self.key))
+                entries[a] = sink(names[a], from_wire(master, torch.float32),
+                                  {k: from_wire(v, dtype_of(d)) for k, (v, d) in states.items()})
+        self.written = True
+        return entries
 
-    def load(self, pieces: list[UnitRange], scalars) -> list[np.ndarray]:
-        """Set masters and states; returns every chunk's parameters in the model dtype."""
-        self.shards.load(pieces, scalars)
-        return [to_wire(p.detach().to(self.model_dtype)) for p in self.shards.params]
-
-    def reload(self, chunks: list[int], values: list[np.ndarray]) -> None:
-        """Chunks whose parameters were overwritten on the rank: take their masters from them."""
-        with torch.no_grad():
-            for i, a in zip(chunks, values):
-                self.shards.params[i].copy_(from_wire(a, self.model_dtype))
-
-    def memory(self) -> dict[str, int]:
-        masters = sum(p.numel() * 4 for p in self.shards.params)
-        states = sum(self.shards.memory().values())
-        return {"master": masters, "optimizer_states": states,
-                "step_buffers": sum(self.shards.peak_grad_bytes.values())}
+    def discard(self) -> None:
+        """Drop an unwritten copy (a save that failed before writing); does not wait."""
+        if not self.written:
+            for actor in self.tier.actors:
+                actor.discard_snapshot.remote(self.key)
+            self.written = True
 
 
 class ActorTier(OptimizerTier):
@@ -139,7 +174,7 @@ class ActorTier(OptimizerTier):
 
     def __init__(self, units: list[FlatUnit], group_options: list[dict], make_optimizer: Callable,
                  sub_group_size: int, placement: dict, actors_per_rank: int = 1, cpus_per_actor: float = 1,
-                 start_timeout: float = 300.0):
+                 start_timeout: float = 300.0, threads: int | None = None):
         import ray
 
         self.units = units
@@ -151,15 +186,21 @@ class ActorTier(OptimizerTier):
         count = max(1, min(actors_per_rank, len(self.sub_groups)))
         # Sub-group k goes to actor k mod count, so consecutive sub-groups overlap across actors too.
         self.owner = [(k % count, k // count) for k in range(len(self.sub_groups))]
+        self.in_flight_limit = 2 * count  # see the module docstring's note
+        self._pending: StepHandle | None = None
+        self._held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # background: gradients, parameters
+        self._driver: ThreadPoolExecutor | None = None
+        # Array bytes sent to and received from the actors (gradients, parameters, states).
+        self.traffic = {"sent": 0, "received": 0}
         remote = ray.remote(OffloadActor)
         tag = uuid.uuid4().hex[:12]  # named, so `ray list actors` and ray.get_actor can find them
         self.actors = [remote.options(name=f"raydeep-offload-{tag}-{a}", max_restarts=0, max_task_retries=0,
                                       num_cpus=cpus_per_actor, **placement)
-                       .remote(self._mine(a), group_options, make_optimizer, int(max(1, cpus_per_actor)))
+                       .remote(self._mine(a), group_options, make_optimizer, threads or int(max(1, cpus_per_actor)))
                        for a in range(count)]
         self.placement = placement
-        started = [actor.start.remote([to_wire(self.units[c.unit].local[c.lo:c.hi]) for sg in self._mine(a)
-                                       for c in sg], str(units[0].dtype).removeprefix("torch."))
+        started = [actor.start.remote([to_wire(self.units[c.unit].local[c.lo:c.hi]) for c in self._chunks(a)],
+                                      str(units[0].dtype).removeprefix("torch."))
                    for a, actor in enumerate(self.actors)]
         ready, _ = ray.wait(started, num_returns=len(started), timeout=start_timeout)
         if len(ready) < len(started):
@@ -175,14 +216,18 @@ class ActorTier(OptimizerTier):
     def _mine(self, a: int) -> list[list]:
         return [sg for k, sg in enumerate(self.sub_groups) if self.owner[k][0] == a]
 
-    def _get(self, refs):
-        import ray
+    def _chunks(self, a: int) -> list:
+        """Actor ``a``'s chunks in its own (flat) order."""
+        return [c for sg in self._mine(a) for c in sg]
 
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as err:
-            raise OffloadActorLost(f"an offload actor of this rank died ({type(err).__name__}); the attempt fails "
-                                   "and restarts from the last checkpoint") from err
+    def _get(self, refs):
+        out = fetch(refs)
+        self.traffic["received"] += payload_bytes(out)
+        return out
+
+    def _call(self, method, *args):
+        self.traffic["sent"] += payload_bytes(args)
+        return method.remote(*args)
 
     # --- the optimizer surface ----------------------------------------------------------------------
     @property
@@ -206,37 +251,111 @@ class ActorTier(OptimizerTier):
 
     # --- the update -----------------------------------------------------------------------------------
     def step(self, grad_shards: list[torch.Tensor], scale: float) -> None:
-        began, hyper = time.perf_counter(), self._hyper()
+        self._collect(self._submit(grad_shards, scale))
+
+    def _submit(self, grad_shards: list[torch.Tensor], scale: float, background: bool = False) -> StepHandle:
+        """Start an update: capture ``scale`` and the hyperparameters, send the first
+        ``in_flight_limit`` pieces. ``grad_shards`` must not change until ``_collect`` returns
+        (it sends the rest), unless ``background``: then they are copied here first, a driver
+        thread sends the rest and takes the results into held buffers, and ``_collect`` waits
+        for it and copies them into ``unit.local``."""
+        assert self._pending is None, "the previous update was not collected"
         grad_dtype = str(grad_shards[0].dtype).removeprefix("torch.") if grad_shards else "float32"
-        calls = []
-        for k, sub_group in enumerate(self.sub_groups):  # all submitted first: transfers overlap compute
+        handle = StepHandle(list(grad_shards), scale, self._hyper(), grad_dtype, time.perf_counter())
+        handle.out = [u.local for u in self.units]
+        if background:
+            if self._held is None:
+                self._held = ([torch.empty(u.local.numel(), dtype=g.dtype) for u, g in zip(self.units, grad_shards)],
+                              [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units])
+            handle.grads, handle.out = [h.copy_(g) for h, g in zip(self._held[0], grad_shards)], self._held[1]
+            handle.copying = time.perf_counter() - handle.began
+        self._pending = handle
+        try:
+            self._send(handle)
+        except BaseException:
+            self._pending = None
+            raise
+        if background:
+            if self._driver is None:
+                self._driver = ThreadPoolExecutor(1, thread_name_prefix="raydeep-offload")
+            handle.driver = self._driver.submit(self._drive, handle)
+        return handle
+
+    def _send(self, handle: StepHandle) -> None:
+        """Send pieces until ``in_flight_limit`` are in flight or none is left."""
+        began = time.perf_counter()
+        while len(handle.in_flight) < self.in_flight_limit and handle.next < len(self.sub_groups):
+            k = handle.next
             a, local_k = self.owner[k]
-            payload = [to_wire(grad_shards[c.unit][c.lo:c.hi]) for c in sub_group]
-            calls.append(self.actors[a].step.remote(local_k, payload, grad_dtype, scale, hyper))
-        copying, computing = time.perf_counter() - began, [0.0] * len(self.actors)
-        for k, (sub_group, call) in enumerate(zip(self.sub_groups, calls)):
+            payload = [to_wire(handle.grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
+            handle.in_flight.append((k, self._call(self.actors[a].step, local_k, payload, handle.grad_dtype,
+                                                   handle.scale, handle.hyper)))
+            handle.next += 1
+        handle.copying += time.perf_counter() - began
+
+    def _drive(self, handle: StepHandle) -> None:
+        """Take each result, oldest first, send the next piece into its place, and copy the
+        parameters into ``handle.out``, until every piece is back."""
+        while handle.in_flight:
+            k, call = handle.in_flight.popleft()
             arrays, seconds = self._get(call)
+            self._send(handle)  # the freed place first: the actor gets its next piece while we copy
             started = time.perf_counter()
-            for c, a in zip(sub_group, arrays):
-                self.units[c.unit].local[c.lo:c.hi].copy_(from_wire(a, self.units[c.unit].dtype))
-            copying += time.perf_counter() - started
-            computing[self.owner[k][0]] += seconds
+            for c, a in zip(self.sub_groups[k], arrays):
+                handle.out[c.unit][c.lo:c.hi].copy_(from_wire(a, self.units[c.unit].dtype))
+            handle.copying += time.perf_counter() - started
+            handle.computing[self.owner[k][0]] = handle.computing.get(self.owner[k][0], 0.0) + seconds
+        handle.finished = time.perf_counter()
+
+    def _collect(self, handle: StepHandle) -> None:
+        """Finish the update ``handle``; the only writer of ``unit.local`` (see ``_submit``)."""
+        assert handle is self._pending, "not the update in flight"
+        try:
+            if handle.driver is None:
+                self._drive(handle)
+            else:
+                handle.driver.result()
+                started = time.perf_counter()
+                for unit, held in zip(self.units, handle.out):
+                    unit.local.copy_(held)
+                handle.finished = time.perf_counter()
+                handle.copying += handle.finished - started
+        finally:
+            self._pending, handle.grads, handle.out = None, [], []
         t = self.timings
         t["steps"] += 1
-        t["step_s"] += time.perf_counter() - began
-        t["cpu_step_s"] += max(computing)
-        t["transfer_s"] += copying
+        t["step_s"] += handle.finished - handle.began
+        t["cpu_step_s"] += max(handle.computing.values(), default=0.0)
+        t["transfer_s"] += handle.copying
+
+    # The delayed parameter update (``OptimizerTier.submit``): the update runs in the background
+    # while the next forward and backward do, and lands at the next ``submit`` or ``complete``.
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def submit(self, grad_shards: list[torch.Tensor], scale: float) -> None:
+        """Land the pending update, then start this one in the background (the gradients are
+        copied: the engine clears them next)."""
+        self.complete()
+        self._submit(grad_shards, scale, background=True)
+
+    def complete(self) -> None:
+        if self._pending is not None:
+            self._collect(self._pending)
 
     def reload_from_params(self, indices: list[int]) -> None:
+        assert self._pending is None, "an update is in flight"
         wanted = set(indices)
         for a, actor in enumerate(self.actors):
-            chunks = [(i, c) for i, c in enumerate(c for sg in self._mine(a) for c in sg) if c.unit in wanted]
+            chunks = [(i, c) for i, c in enumerate(self._chunks(a)) if c.unit in wanted]
             if chunks:
-                self._get(actor.reload.remote([i for i, _ in chunks],
-                                              [to_wire(self.units[c.unit].local[c.lo:c.hi]) for _, c in chunks]))
+                self._get(self._call(actor.reload, [i for i, _ in chunks],
+                                     [to_wire(self.units[c.unit].local[c.lo:c.hi]) for _, c in chunks]))
 
     # --- state over element ranges ----------------------------------------------------------------------
     def _export(self, ranges, with_optimizer):
+        assert self._pending is None, "an update is in flight"
         segments, dtypes, scalars = [], {}, {}
         for part_segments, part_dtypes, part_scalars in self._get([a.export.remote(ranges, with_optimizer)
                                                                    for a in self.actors]):
@@ -247,10 +366,52 @@ class ActorTier(OptimizerTier):
         return segments, dtypes, scalars
 
     def _import(self, pieces: list[UnitRange], scalars) -> None:
-        results = self._get([actor.load.remote(pieces, scalars) for actor in self.actors])
-        for a, arrays in enumerate(results):
-            for c, arr in zip((c for sg in self._mine(a) for c in sg), arrays):
+        """Each actor gets the parts of ``pieces`` inside its own chunks, and nothing else."""
+        assert self._pending is None, "an update is in flight"
+        kinds = [{k: str(v.dtype).removeprefix("torch.") for k, v in p.states.items()} for p in pieces]
+        calls = []
+        for a, actor in enumerate(self.actors):
+            parts = []
+            for c in self._chunks(a):
+                piece = pieces[c.unit]
+                lo, hi = max(piece.start, c.lo), min(piece.end, c.hi)
+                if lo < hi:
+                    cut = slice(lo - piece.start, hi - piece.start)
+                    parts.append((c.unit, lo, hi, to_wire(piece.master[cut]),
+                                  wire_states({k: v[cut] for k, v in piece.states.items()})))
+            calls.append(self._call(actor.load, parts, kinds, scalars))
+        for a, arrays in enumerate(self._get(calls)):
+            for c, arr in zip(self._chunks(a), arrays):
                 self.units[c.unit].local[c.lo:c.hi].copy_(from_wire(arr, self.units[c.unit].dtype))
+
+    def remote_snapshot(self, ranges: list[tuple[int, int]]) -> RemoteSnapshot:
+        """Like ``state_dict(ranges)``, but the masters and states are copied inside the actors and
+        stay there, to be written by them (``RemoteSnapshot.write``; see the module docstring)."""
+        assert self._pending is None, "an update is in flight"
+        local, bases = {}, []
+        for i, unit in enumerate(self.units):
+            start, end, base = unit.held_range()
+            lo, hi = ranges[i]
+            assert lo >= hi or start <= lo <= hi <= end, f"{unit.name}: {ranges[i]} is not held here"
+            local[i] = (lo - base, hi - base)
+            bases.append(base)
+        key = uuid.uuid4().hex
+        calls = [actor.snapshot.remote(key, local) for actor in self.actors]
+        segments = []
+        for a in range(len(self.actors)):
+            runs: list[tuple[int, int, int]] = []  # the chunks' parts in the actor's order, adjacent ones joined
+            for c in self._chunks(a):
+                lo, hi = max(local[c.unit][0], c.lo), min(local[c.unit][1], c.hi)
+                if lo >= hi:
+                    continue
+                start, end = bases[c.unit] + lo, bases[c.unit] + hi
+                if runs and runs[-1][0] == c.unit and runs[-1][2] == start:
+                    runs[-1] = (c.unit, runs[-1][1], end)
+                else:
+                    runs.append((c.unit, start, end))
+            segments.append(runs)
+        hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in self._hyper()]
+        return RemoteSnapshot(self, key, calls, segments, self.optimizer_name, hyper)
 
     # --- accounting and lifetime ----------------------------------------------------------------------
     def memory(self) -> dict[str, dict[str, int]]:
@@ -274,3 +435,7 @@ class ActorTier(OptimizerTier):
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []
+        if self._driver is not None:  # a background update still running fails at once, unread
+            self._driver.shutdown()
+            self._driver = None
+        self._pending = None

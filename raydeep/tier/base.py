@@ -179,6 +179,12 @@ class OptimizerTier(ABC):
         device such as ``"cuda:0"`` or ``"cpu"`` in this process, or ``"actor:<node id>"``. A master
         that is the model's own storage counts zero."""
 
+    # --- checkpoints written where the state lives; the actor tier provides it ---------------------
+    #: ``remote_snapshot(ranges)``: like ``state_dict(ranges)``, but the copy is taken and kept by
+    #: the processes that hold the state and written by them as this rank's part files, so a save
+    #: moves no optimizer bytes through the rank. None: ``state_dict`` is used.
+    remote_snapshot = None
+
     # --- compressed communication (``raydeep.compression``); other tiers keep these defaults -------
     def communicates_gradients(self) -> bool:
         """True when the next ``step`` takes each rank's own, un-reduced gradients and averages

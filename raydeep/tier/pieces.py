@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydeep.tier import cpu_update
 
 
 def piecewise_adam(optimizer: torch.optim.Optimizer) -> bool:
@@ -65,6 +64,8 @@ class PieceAdam:
         exp_avg, exp_avg_sq = state["exp_avg"].narrow(0, lo, hi - lo), state["exp_avg_sq"].narrow(0, lo, hi - lo)
         beta1, beta2 = group["betas"]
         decoupled = type(self.optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+        from raydeep.tier import cpu_update  # here: `python -m raydeep.tier.cpu_update` imports this package
+
         if master.device.type == "cpu" and cpu_update.available():
             cpu_update.fused_adam_step(master, exp_avg, exp_avg_sq, grad, out, scale=scale, lr=group["lr"],
                                        beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -108,7 +108,8 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
         logger.warning("offload_optimizer.ratio %s applies to the host tier; the actor tier offloads every "
                        "sub-group", offload.ratio)
     return ActorTier(units, group_options, make_optimizer, settings.sub_group_size,
-                     offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus)
+                     offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus,
+                     threads=settings.threads)
 
 
 def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import types
 
+import numpy as np
 import torch
 
 # Objects the walk does not enter: through them every module global would be reachable.
@@ -37,3 +38,19 @@ def actor_storage_bytes(actor, dtype: torch.dtype = torch.float32) -> int:
     import ray
 
     return ray.get(actor.__ray_call__.remote(lambda instance: storage_bytes(instance, dtype)))
+
+
+def array_bytes(obj) -> int:
+    """Bytes of the numpy arrays and tensors anywhere in ``obj`` (containers and dataclasses):
+    what a call or a reply carries."""
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(array_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(array_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(array_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0

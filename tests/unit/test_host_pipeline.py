@@ -9,13 +9,11 @@ stay on the device (``ratio`` < 1) are updated there, on the current stream, nev
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from raydeep.optim.optimizers import build_optimizer, resolve_optimizer
-from raydeep.tier import HostTier, pieces
+from raydeep.tier import HostTier, cpu_update
 
 
 class Recorder:
@@ -68,7 +66,7 @@ def fake_cuda(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # torch's kernel after a widening copy: the one-pass extension cannot read fake tensors
-    monkeypatch.setattr(pieces, "cpu_update", SimpleNamespace(available=lambda: False))
+    monkeypatch.setattr(cpu_update, "available", lambda: False)
     return FakeTensorMode()
 
 
