@@ -130,9 +130,14 @@ def test_a_lost_object_or_actor_is_a_lost_offload_actor(connected):
             break
         assert time.monotonic() < deadline, "the killed actor still answers"
         time.sleep(0.1)
-    with pytest.raises(OffloadActorLost) as lost_object:
-        fetch(inner)
-    assert isinstance(lost_object.value.__cause__, ray.exceptions.ObjectLostError), repr(lost_object.value.__cause__)
+    while True:  # the store learns of its owner's death a little later than the caller does
+        try:
+            fetch(inner)
+        except OffloadActorLost as lost:
+            assert isinstance(lost.__cause__, ray.exceptions.ObjectLostError), repr(lost.__cause__)
+            break
+        assert time.monotonic() < deadline, "the dead actor's object is still served"
+        time.sleep(0.1)
 
 
 def test_a_load_sends_each_actor_only_its_own_chunks_and_continues_bitwise(connected):
