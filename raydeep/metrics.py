@@ -34,6 +34,9 @@ output), null where unknown:
 ``other_s``             the rest: data loading, the loss all-reduce, the ledger (forward_s,
                         backward_s, comm_wait_s, optimizer_s and other_s add up to step_s;
                         checkpoint_s comes on top)
+``checkpoint_forward_s``    with ``activation_checkpointing.profile``: seconds in the checkpointed
+                        regions' forwards (part of forward_s), else null
+``checkpoint_recompute_s``  with ``profile``: seconds recomputing them (part of backward_s), else null
 ``bytes_<op>``          bytes of each collective in the step: all_reduce, reduce_scatter,
                         all_gather, broadcast, all_to_all (compressed 1-bit traffic included)
 ``model_state_bytes``   per rank (list, rank order): device bytes of model states
@@ -54,7 +57,8 @@ SCHEMA = pa.schema(
      ("skipped_steps", pa.int64()), ("samples", pa.int64()), ("step_s", pa.float64()),
      ("samples_per_s", pa.float64()), ("tokens_per_s", pa.float64()), ("mfu", pa.float64()),
      ("forward_s", pa.float64()), ("backward_s", pa.float64()), ("comm_wait_s", pa.float64()),
-     ("optimizer_s", pa.float64()), ("checkpoint_s", pa.float64()), ("other_s", pa.float64())]
+     ("optimizer_s", pa.float64()), ("checkpoint_s", pa.float64()), ("other_s", pa.float64()),
+     ("checkpoint_forward_s", pa.float64()), ("checkpoint_recompute_s", pa.float64())]
     + [(f"bytes_{op}", pa.int64()) for op in COLLECTIVES]
     + [("model_state_bytes", pa.list_(pa.int64())), ("peak_memory_bytes", pa.list_(pa.int64())),
        ("phase", pa.string()), ("restarts", pa.int32())])

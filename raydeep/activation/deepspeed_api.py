@@ -4,16 +4,16 @@
     deepspeed.checkpointing.configure(None, deepspeed_config="ds_config.json")
     x = deepspeed.checkpointing.checkpoint(block, x)      # block's activations recomputed in backward
 
-``checkpoint`` is PyTorch's non-reentrant ``torch.utils.checkpoint``: the CPU and device random
-states are restored for the recomputation (so dropout matches), as are the states of
-``get_cuda_rng_tracker()``, and keyword arguments and non-tensor outputs work. Regions nest:
-inside a checkpointed region further ``checkpoint`` calls -- the model's own, or the modules the
-engine wraps (``raydeep.activation.wrap``) -- run plainly, because the outermost region already
-drops and recomputes everything inside it.
+``checkpoint`` is PyTorch's non-reentrant ``torch.utils.checkpoint`` (:mod:`raydeep.activation.region`):
+the CPU and device random states are restored for the recomputation (so dropout matches), as are
+the states of ``get_cuda_rng_tracker()``, and keyword arguments and non-tensor outputs work. Regions
+nest: inside a checkpointed region further ``checkpoint`` calls -- the model's own, or the modules
+the engine wraps (``raydeep.activation.wrap``) -- run plainly.
 
-DeepSpeed's extra memory options (``partition_activations``, ``cpu_checkpointing``,
-``contiguous_memory_optimization``, ``synchronize_checkpoint_boundary``, ``profile``) are accepted
-and warned about: raydeep runs data parallel only and keeps saved inputs on the device.
+``configure`` honours DeepSpeed's options: ``checkpoint_in_cpu`` (saved inputs in pinned host
+memory), ``contiguous_checkpointing`` with ``num_checkpoints`` (saved inputs in preallocated
+buffers), ``synchronize`` and ``profile``. ``partition_activations`` is accepted and warned about:
+it splits saved inputs across tensor-parallel ranks, and raydeep runs data parallel only.
 
 >>> import torch
 >>> layer = torch.nn.Linear(4, 4)
@@ -29,7 +29,9 @@ import logging
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
+
+from raydeep.activation.options import CheckpointOptions
+from raydeep.activation.region import Checkpointer
 
 logger = logging.getLogger("raydeep")
 
@@ -37,10 +39,6 @@ logger = logging.getLogger("raydeep")
 UNIMPLEMENTED = {
     "partition_activations": "it splits saved activations across tensor-parallel ranks, and raydeep runs "
                              "data parallel only",
-    "cpu_checkpointing": "saved inputs stay on the device",
-    "contiguous_memory_optimization": "it only applies to partitioned activations",
-    "synchronize_checkpoint_boundary": "raydeep does not synchronize the device around checkpoints",
-    "profile": "per-checkpoint timings are not logged",
 }
 # configure()'s keyword arguments -> the config keys they override.
 _KWARG_KEYS = {"partition_activations": "partition_activations",
@@ -48,32 +46,28 @@ _KWARG_KEYS = {"partition_activations": "partition_activations",
                "checkpoint_in_cpu": "cpu_checkpointing", "synchronize": "synchronize_checkpoint_boundary",
                "profile": "profile"}
 
-_depth = 0  # > 0 inside a checkpointed region (its forward or its recomputation)
 _configured = False
 _options: dict[str, Any] = {}
 _num_layers: int | None = None
 
 
+def checkpointer_for(options: CheckpointOptions, **parts) -> Checkpointer:
+    """A :class:`~raydeep.activation.region.Checkpointer` that also replays the RNG tracker's states."""
+    return Checkpointer(options, contexts=_rng_tracker_contexts, **parts)
+
+
+_checkpointer: Checkpointer | None = None  # configure()'s; built on first use
+
+
 def checkpoint(function, *args, **kwargs):
     """Run ``function(*args, **kwargs)`` keeping none of its activations; recompute them in backward."""
-    if _depth or not torch.is_grad_enabled():
-        return function(*args, **kwargs)
-    return torch.utils.checkpoint.checkpoint(_region(function), *args, use_reentrant=False,
-                                             context_fn=_rng_tracker_contexts, **kwargs)
+    global _checkpointer
+    if _checkpointer is None:
+        _checkpointer = checkpointer_for(CheckpointOptions())
+    return _checkpointer(function, *args, **kwargs)
 
 
 non_reentrant_checkpoint = checkpoint
-
-
-def _region(function):
-    def run(*args, **kwargs):
-        global _depth
-        _depth += 1
-        try:
-            return function(*args, **kwargs)
-        finally:
-            _depth -= 1
-    return run
 
 
 def unimplemented_options(section: Any) -> list[str]:
@@ -104,7 +98,17 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None, contiguou
     for text in unimplemented_options(options):
         logger.warning(text)
     _options, _num_layers = options, options.get("number_checkpoints")
+    _rebuild()
     _configured = True
+
+
+def _rebuild() -> None:
+    global _checkpointer
+    options = CheckpointOptions.from_section({**_options, "number_checkpoints": _num_layers})
+    if options.contiguous_memory_optimization and options.number_checkpoints is None:
+        raise ValueError("contiguous_checkpointing needs num_checkpoints (activation_checkpointing."
+                         "number_checkpoints): the number of checkpointed layers each buffer holds")
+    _checkpointer = checkpointer_for(options)
 
 
 def _model_parallel_size(mpu) -> int:
@@ -120,12 +124,16 @@ def is_configured() -> bool:
 
 
 def reset() -> None:
-    """DeepSpeed frees its contiguous checkpoint buffers here; raydeep keeps none."""
+    """Free the contiguous checkpoint buffers, for forwards that ran without a backward (as DeepSpeed)."""
+    if _checkpointer is not None:
+        _checkpointer.reset()
 
 
 def set_num_layers(nlayers: int) -> None:
+    """The number of checkpointed layers the contiguous buffers hold (``num_checkpoints``)."""
     global _num_layers
     _num_layers = nlayers
+    _rebuild()
 
 
 # --- random-state tracker (Megatron's API; one tensor-parallel rank, so no per-rank offsets) -----------

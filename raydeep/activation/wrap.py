@@ -15,6 +15,23 @@ by ``raydeep.checkpoint_modules``:
 Only the outermost of nested choices is wrapped, and a region the model already checkpoints runs
 the wrapped modules inside it plainly (see ``raydeep.checkpointing``), so nothing is recomputed twice.
 
+``activation_checkpointing.number_checkpoints`` N, with ``"block"``: of the L blocks, only N are
+wrapped, evenly spread (block ``i * L // N`` for i < N; with N = L / k, every k-th block), all of
+them when N >= L. With the other choices every chosen module is wrapped: a config written for
+DeepSpeed (where the model code decides what is checkpointed and N only sizes buffers) must not
+lose checkpoints it had -- the field report's 175B config sets N = 12 on a 96-layer model.
+This trades memory for time between "attention only" and "every block": each wrapped block keeps
+its input instead of all its activations and recomputes once. Evenly spread rather than the first
+N because the saved bytes and the recomputation are the same either way, and spreading them lets a
+region's work overlap the plain blocks around it: with ``cpu_checkpointing`` each block input's copy
+to the host runs on the side stream during the following blocks' compute instead of N copies
+queueing at the start, and at stage 3 the recomputation in backward interleaves with the
+per-block gradient reduction instead of bunching up at its end. DeepSpeed sizes its contiguous
+buffers with the same number (one slot per checkpointed layer), which
+``contiguous_memory_optimization`` does here too.
+
+The other options of the section apply inside each region (:mod:`raydeep.activation.region`).
+
 Note: the wrapper replaces the instance's ``forward``, so ``nn.Module.__call__`` still runs the
 module's hooks around it -- ZeRO-3 gathers the parameters before the region and, during the
 recomputation inside backward, the hooks of submodules run again (stage 3 keeps what they fetch
@@ -26,13 +43,14 @@ import logging
 
 from torch import nn
 
-from raydeep.activation.deepspeed_api import checkpoint, unimplemented_options
+from raydeep.activation.deepspeed_api import checkpointer_for, unimplemented_options
+from raydeep.activation.options import CheckpointOptions
+from raydeep.activation.region import Checkpointer
 
 logger = logging.getLogger("raydeep")
 
 # Options config.rules already warns about when the config is loaded.
-_WARNED_AT_LOAD = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                   "synchronize_checkpoint_boundary", "profile")
+_WARNED_AT_LOAD = ("partition_activations",)
 
 
 def select_modules(model: nn.Module, spec) -> list[nn.Module]:
@@ -67,39 +85,63 @@ def _from_helper(model: nn.Module, name: str) -> list[nn.Module]:
     return list(helper()) if callable(helper) else []
 
 
-def wrap(module: nn.Module) -> None:
-    """Make ``module``'s forward a checkpointed region (idempotent)."""
+def spread(modules: list[nn.Module], number: int | None) -> list[nn.Module]:
+    """``number`` of ``modules``, evenly spread (see the module docstring); all when None or >= their count.
+
+    >>> spread(list(range(12)), 4), spread(list(range(5)), 2), spread([0, 1], 12)
+    ([0, 3, 6, 9], [0, 2], [0, 1])
+    """
+    total = len(modules)
+    if number is None or number >= total:
+        return list(modules)
+    return [modules[i * total // number] for i in range(number)]
+
+
+def wrap(module: nn.Module, checkpointer: Checkpointer | None = None) -> None:
+    """Make ``module``'s forward a checkpointed region (idempotent); ``checkpointer`` applies the
+    section's options (default: none of them)."""
     if "_raydeep_checkpointed" in module.__dict__:
         return
     forward = module.forward
     module.__dict__["_raydeep_checkpointed"] = module.__dict__.get("forward")  # an instance override, if any
+    run = checkpointer or checkpointer_for(CheckpointOptions())
+    module.__dict__["_raydeep_checkpointer"] = run  # what a caller reads its store's counts from
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, **kwargs)
+        return run(forward, *args, **kwargs)
     module.forward = checkpointed_forward
 
 
 def unwrap(module: nn.Module) -> None:
     if "_raydeep_checkpointed" in module.__dict__:
         previous = module.__dict__.pop("_raydeep_checkpointed")
+        module.__dict__.pop("_raydeep_checkpointer", None)
         if previous is None:
             del module.forward  # the class's forward shows through again
         else:
             module.forward = previous
 
 
-def apply_activation_checkpointing(model: nn.Module, section, spec) -> list[nn.Module]:
-    """Wrap the modules ``spec`` selects when the ``activation_checkpointing`` ``section`` is present;
-    returns the wrapped modules."""
+def apply_activation_checkpointing(model: nn.Module, section, spec, checkpointer: Checkpointer | None = None
+                                   ) -> list[nn.Module]:
+    """Wrap the modules ``spec`` selects (``number_checkpoints`` of them, see the module docstring)
+    when the ``activation_checkpointing`` ``section`` is present; returns the wrapped modules.
+    ``checkpointer`` replaces the one built from the section (a test's device stand-ins)."""
     if section is None or spec == "none":
         return []
     for text in unimplemented_options(section):
         if not text.startswith(tuple(f"activation_checkpointing.{k} " for k in _WARNED_AT_LOAD)):
             logger.warning(text)
-    modules = select_modules(model, spec)
-    if not modules:
+    options = CheckpointOptions.from_section(section)
+    chosen = select_modules(model, spec)
+    if not chosen:
         logger.warning("activation checkpointing: no module matches raydeep.checkpoint_modules=%r; the engine "
                        "checkpoints nothing (the model's own checkpoint calls still apply)", spec)
+    modules = spread(chosen, options.number_checkpoints) if spec == "block" else chosen
+    if len(modules) < len(chosen):
+        logger.info("activation checkpointing: number_checkpoints=%d of the %d modules raydeep.checkpoint_modules=%r "
+                    "selects are checkpointed", len(modules), len(chosen), spec)
+    run = checkpointer or checkpointer_for(options)
     for module in modules:
-        wrap(module)
+        wrap(module, run)
     return modules

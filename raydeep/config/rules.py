@@ -99,6 +99,11 @@ def _activation_checkpointing_rules(cfg: RaydeepConfig, errors: list, warnings: 
         errors.append(ConfigError("activation_checkpointing.contiguous_memory_optimization", "Contiguous "
                                   "Checkpointing is only available with partitioned activations", value=True,
                                   fix="set activation_checkpointing.partition_activations to true, or remove this key"))
+    modules = cfg.raydeep.checkpoint_modules
+    if ac.number_checkpoints is not None and modules != "block" and not ac.contiguous_memory_optimization:
+        warnings.append(f"activation_checkpointing.number_checkpoints = {ac.number_checkpoints} has no effect: it "
+                        f"chooses how many blocks are checkpointed with raydeep.checkpoint_modules \"block\" "
+                        f"(this config: {modules!r}) and sizes the contiguous_memory_optimization buffers (off)")
     if ac.contiguous_memory_optimization and ac.number_checkpoints is None:
         errors.append(ConfigError("activation_checkpointing.number_checkpoints", "Must specify the number of layers "
                                   "with contiguous memory checkpointing", value=None,

@@ -75,9 +75,8 @@ class ActivationCheckpointingConfig(Section):
     """``activation_checkpointing``. Its presence turns the feature on, as in DeepSpeed: the model's
     own ``deepspeed.checkpointing.checkpoint`` calls always work, and with the section present the
     engine also wraps the modules chosen by ``raydeep.checkpoint_modules``
-    (``raydeep.activation.wrap``). The options below are DeepSpeed's; raydeep warns for the enabled
-    ones it does not implement (tensor-parallel partitioning, CPU copies, contiguous buffers,
-    device synchronisation, profiling)."""
+    (``raydeep.activation.wrap``). The options below are DeepSpeed's (``raydeep.activation.options``);
+    raydeep warns for ``partition_activations``, which needs tensor parallelism."""
 
     partition_activations: Flag = False
     cpu_checkpointing: Flag = False
@@ -251,6 +250,11 @@ class RaydeepSection(Section):
     # The field report found checkpointing only attention the best memory/compute balance, so that
     # is the default.
     checkpoint_modules: Literal["none", "attention", "block"] | list[str] = "attention"
+    # Keep every activation autograd saves outside checkpointed regions in pinned host memory,
+    # copied on a side stream and brought back in backward (torch's save_on_cpu): activation
+    # offload without recomputation. activation_checkpointing.cpu_checkpointing does the same for
+    # the inputs of the checkpointed regions only.
+    offload_activations: Flag = False
     # Where offload_optimizer.device "cpu" keeps each rank's fp32 masters and optimizer states:
     # "host" (the rank's own host memory), "actors" (Ray actors on offload nodes), or "auto"
     # (actors when the cluster has offload nodes, the host otherwise).

@@ -251,17 +251,15 @@ SUPPORT: dict[str, Support] = {
     # --- activation_checkpointing (the section's presence turns the feature on) -------------------
     "activation_checkpointing.partition_activations": warn(
         "it splits activations across tensor-parallel ranks, and raydeep runs data parallel only", True),
-    "activation_checkpointing.cpu_checkpointing": warn("it is not implemented; checkpoints stay on the device",
-                                                       True),
-    "activation_checkpointing.contiguous_memory_optimization": warn(
-        "it only applies to partitioned activations", True,
-        needs={"activation_checkpointing.partition_activations": True,
-               "activation_checkpointing.number_checkpoints": 2}),
-    "activation_checkpointing.number_checkpoints": warn("it sizes DeepSpeed's contiguous checkpoint buffers, "
-                                                        "which raydeep does not allocate", 4),
-    "activation_checkpointing.synchronize_checkpoint_boundary": warn("raydeep does not synchronize the device "
-                                                                     "around checkpoints", True),
-    "activation_checkpointing.profile": warn("per-checkpoint timings are not logged", True),
+    "activation_checkpointing.cpu_checkpointing": read("raydeep/activation/options.py",
+                                                       "raydeep/activation/boundary_store.py"),
+    "activation_checkpointing.contiguous_memory_optimization": read("raydeep/activation/options.py",
+                                                                    "raydeep/activation/boundary_store.py"),
+    "activation_checkpointing.number_checkpoints": read("raydeep/activation/wrap.py",
+                                                        "raydeep/activation/boundary_store.py"),
+    "activation_checkpointing.synchronize_checkpoint_boundary": read("raydeep/activation/options.py",
+                                                                     "raydeep/activation/timing.py"),
+    "activation_checkpointing.profile": read("raydeep/activation/options.py", "raydeep/activation/timing.py"),
     # --- data_types -----------------------------------------------------------------------------
     "data_types.grad_accum_dtype": read("raydeep/config/model.py", BUILDER),
     "data_types.param_dtype": read("raydeep/config/rules.py"),
@@ -315,6 +313,7 @@ SUPPORT: dict[str, Support] = {
     # --- raydeep's own section ------------------------------------------------------------------
     "raydeep.partition_units": read(BUILDER),
     "raydeep.checkpoint_modules": read(BUILDER, "raydeep/activation/wrap.py"),
+    "raydeep.offload_activations": read(BUILDER, "raydeep/activation/offload.py"),
     "raydeep.offload_target": read(TIERS),
     "raydeep.offload_resource": read(TIERS),
     "raydeep.offload_actors_per_rank": read(TIERS),

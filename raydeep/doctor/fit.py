@@ -75,6 +75,10 @@ def candidates(raw: dict, cfg, shape: ModelShape) -> list[tuple[str, dict, str]]
         out.append(("checkpoint the attention", {"activation_checkpointing": {}, "raydeep.checkpoint_modules": "attention"}, "attention"))
     if choice in ("none", "attention"):
         section = {} if cfg.activation_checkpointing is not None else {"activation_checkpointing": {}}
+        if (cfg.activation_checkpointing is not None and cfg.activation_checkpointing.number_checkpoints is not None
+                and cfg.activation_checkpointing.number_checkpoints < shape.layers):
+            # with blocks, number_checkpoints limits how many are checkpointed: every block, here
+            section["activation_checkpointing.number_checkpoints"] = shape.layers
         out.append(("checkpoint whole blocks", {**section, "raydeep.checkpoint_modules": "block"}, "block"))
     if cfg.precision == "fp32":
         out.append(("train in bf16 (fp32 master weights kept)", {"bf16": {"enabled": True}}, "bf16"))

@@ -44,7 +44,8 @@ from raydeep.doctor.shape import ModelShape
 from raydeep.doctor.stage3 import kept_between_passes, persistent_params
 from raydeep.estimate import GB, PRECISION_BYTES, estimate_model_states
 
-__all__ = ["FRAGMENTATION", "CHECKPOINTING", "MemoryPlan", "MemoryRow", "activation_bytes", "plan_memory"]
+__all__ = ["FRAGMENTATION", "CHECKPOINTING", "MemoryPlan", "MemoryRow", "activation_bytes", "plan_memory",
+           "saved_activation_bytes"]
 
 # Margin for the CUDA caching allocator's fragmentation: reserved minus allocated memory in long
 # runs is typically 5-15% of the peak (the field report's reason for empty_cache and sub_group_size).
@@ -135,8 +136,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, precision: str, checkpointing: str) -> int:
-    """Peak saved-activation bytes of one micro batch (see the module docstring).
+def activation_bytes(shape: ModelShape, micro_batch: int, precision: str, checkpointing: str,
+                     checkpointed: int | None = None) -> int:
+    """Peak saved-activation bytes of one micro batch (see the module docstring); ``checkpointed``
+    of the layers' modules are checkpointed (all by default; ``number_checkpoints`` with blocks).
 
     >>> shape = ModelShape.from_gpt("gpt-tiny")
     >>> [round(activation_bytes(shape, 4, "fp32", c) / 1e6, 1) for c in CHECKPOINTING]
@@ -146,13 +149,41 @@ def activation_bytes(shape: ModelShape, micro_batch: int, precision: str, checkp
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     e = PRECISION_BYTES[precision]
     u = micro_batch * shape.seq * shape.hidden
-    if checkpointing == "none":
-        blocks = shape.layers * _SAVED_PER_BLOCK
-    elif checkpointing == "attention":
-        blocks = shape.layers * (_SAVED_PER_BLOCK - _ATTENTION_SAVED + 1) + _ATTENTION_SAVED
-    else:
-        blocks = shape.layers + _SAVED_PER_BLOCK
+    n = 0 if checkpointing == "none" else shape.layers if checkpointed is None else min(checkpointed, shape.layers)
+    # a checkpointed module keeps its input (1u) of what it saves, and recomputes it once in backward
+    own = {"none": 0, "attention": _ATTENTION_SAVED, "block": _SAVED_PER_BLOCK}[checkpointing]
+    blocks = shape.layers * _SAVED_PER_BLOCK - n * (own - 1) + (own if n else 0)
     head = 2 * u * e + 2 * micro_batch * shape.seq * shape.vocab * 4
+    return blocks * u * e + head
+
+
+def saved_activation_bytes(shape: ModelShape, micro_batch: int, precision: str, checkpointing: str,
+                           checkpointed: int | None = None) -> int:
+    """Bytes one micro batch's forward saves for backward (the distinct storages autograd keeps,
+    as ``saved_tensors_hooks`` count them): the part of :func:`activation_bytes` left after the
+    forward, without the recomputation's and the loss gradient's transients. ``checkpointed``:
+    how many of the layers' blocks are checkpointed when checkpointing blocks (all by default;
+    ``number_checkpoints``). ``benchmarks/activation.py`` holds it to the counted bytes.
+
+    >>> shape = ModelShape.from_gpt("gpt-tiny")
+    >>> saved_activation_bytes(shape, 4, "fp32", "block", checkpointed=0) == saved_activation_bytes(shape, 4, "fp32", "none")
+    True
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    e = PRECISION_BYTES[precision]
+    u = micro_batch * shape.seq * shape.hidden
+    per_block = _SAVED_PER_BLOCK - 1  # the attention's output is the projection's input: one storage
+    if checkpointing == "none":
+        blocks = shape.layers * per_block
+    elif checkpointing == "attention":
+        blocks = shape.layers * (per_block - (_ATTENTION_SAVED - 1) + 1)
+    else:
+        n = shape.layers if checkpointed is None else min(checkpointed, shape.layers)
+        blocks = n + (shape.layers - n) * per_block
+    # The head saves 2u and one fp32 micro_batch x seq x vocab tensor (log-softmax's output);
+    # the peak's second one is its gradient, made in backward.
+    head = 2 * u * e + micro_batch * shape.seq * shape.vocab * 4
     return blocks * u * e + head
 
 
@@ -197,7 +228,10 @@ def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None
     formula = _formula_text(stage, n, precision, offload_opt, persistent)
 
     choice = checkpointing or checkpointing_of(cfg)
-    acts = {c: activation_bytes(shape, micro, precision, c) for c in CHECKPOINTING}
+    ac = cfg.activation_checkpointing
+    checkpointed = ac.number_checkpoints if ac is not None else None  # how many blocks the engine wraps (wrap.spread)
+    acts = {c: activation_bytes(shape, micro, precision, c, checkpointed if c == "block" else None)
+            for c in CHECKPOINTING}
     live = gathered_grad = 0
     if stage == 3:
         unit = min(shape.block_params, partitioned)

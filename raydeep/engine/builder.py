@@ -26,7 +26,7 @@ from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFe
 from raydeep.config import RaydeepConfig
 from raydeep.doctor.oom import OomDiagnosis
 from raydeep.errors import ConfigError
-from raydeep.activation import apply_activation_checkpointing
+from raydeep.activation import apply_activation_checkpointing, offload_saved_activations
 from raydeep.engine.engine import Engine, EngineSettings
 from raydeep.monitor import build_monitors
 from raydeep.optim.optimizers import ONEBIT_OPTIMIZERS, build_optimizer, resolve_optimizer
@@ -61,6 +61,8 @@ def build_engine(model: nn.Module, cfg: RaydeepConfig, model_parameters=None, op
     comm.configure_comms_logger(cfg.comms_logger)
     _place_parameters(model, device, dtype, stats, stage)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.raydeep.checkpoint_modules)
+    if cfg.raydeep.offload_activations:
+        offload_saved_activations(model, device)
     groups = _param_groups(model, model_parameters)
     units, extra = _build_units(model, groups, cfg, rank, world, dtype)
     tier = _build_tier(cfg, groups, units, optimizer, stats)

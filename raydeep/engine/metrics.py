@@ -36,6 +36,8 @@ from typing import Callable
 
 import torch
 
+from raydeep.activation.timing import PROFILE_TOTALS
+
 from raydeep.comm import CommStats
 
 # DeepSpeed's timer names (deepspeed.utils.timer), in the order its engine logs them.
@@ -63,6 +65,14 @@ class PhaseTimes:
 def timer_line(names: tuple[str, ...], times: PhaseTimes) -> str:
     """``SynchronizedWallClockTimer.log``'s text: ``time (ms) | fwd: 12.34 | bwd: ...``."""
     return "time (ms)" + "".join(f" | {name}: {ms:.2f}" for name, ms in zip(names, times.milliseconds()))
+
+
+def _checkpoint_profile() -> dict:
+    """The profiled checkpoint regions' seconds in this step (``activation_checkpointing.profile``),
+    None when none was profiled."""
+    totals = PROFILE_TOTALS.take()
+    profiled = totals.pop("checkpoint_calls") > 0
+    return {name: seconds if profiled else None for name, seconds in totals.items()}
 
 
 class StepMeter:
@@ -155,7 +165,7 @@ class StepMeter:
                    "forward_wait_s": self.total.forward_blocked, "backward_wait_s": self.total.backward_blocked,
                    "comm_wait_s": sum((op["blocked_s"] for op in comm.values()), 0.0), "optimizer_s": self.optimizer_s,
                    "comm": comm, "model_state_bytes": self._state_total(applied),
-                   "peak_memory_bytes": self._peak_memory()}
+                   "peak_memory_bytes": self._peak_memory(), **_checkpoint_profile()}
         self.optimizer_s = 0.0
         # DeepSpeed restarts its global timers when it logs them, once per optimizer step.
         self.step_times, self.total = self.total, self.step_times

@@ -133,7 +133,8 @@ def step_row(values: dict, *, attempt: int, world_size: int, loss: float, step_s
             "lr": values["lr"], "loss_scale": values["loss_scale"], "grad_norm": values["grad_norm"],
             "skipped_steps": values["skipped_steps"], "samples": values["samples"], "step_s": step_s, **rates,
             "forward_s": forward_s, "backward_s": backward_s, "comm_wait_s": wait, "optimizer_s": optimizer_s,
-            "checkpoint_s": checkpoint_s,
+            "checkpoint_s": checkpoint_s, "checkpoint_forward_s": values.get("checkpoint_forward_s"),
+            "checkpoint_recompute_s": values.get("checkpoint_recompute_s"),
             "other_s": other_s, **collective_bytes(values["comm"]), "model_state_bytes": None,
             "peak_memory_bytes": None, "phase": phase or "", "restarts": attempt}
 

@@ -22,7 +22,7 @@ from raydeep.monitor import EVENT_NAMES
 STEPS, MICRO, GAS, SEQ = 3, 2, 2, 32
 STEP_METRICS_KEYS = {"step", "samples", "lr", "loss_scale", "grad_norm", "skipped_steps", "forward_s", "backward_s",
                      "comm_wait_s", "optimizer_s", "comm", "model_state_bytes", "peak_memory_bytes",
-                     "forward_wait_s", "backward_wait_s"}
+                     "forward_wait_s", "backward_wait_s", "checkpoint_forward_s", "checkpoint_recompute_s"}
 MICRO_LINE = re.compile(r"^time \(ms\)" + "".join(
     rf" \| {n}: \d+\.\d\d" for n in ("fwd_microstep", "bwd_microstep", "bwd_inner_microstep",
                                      "bwd_allreduce_microstep", "step_microstep")) + "$")
