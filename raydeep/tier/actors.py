@@ -100,6 +100,16 @@ def fetch(refs):
             from err
 
 
+def _merged(parts) -> tuple[dict, dict]:
+    """The actors' ``(state dtypes, scalars by group)`` as one: each actor knows its own chunks'."""
+    dtypes, scalars = {}, {}
+    for part_dtypes, part_scalars in parts:
+        dtypes.update(part_dtypes)
+        for g, found in part_scalars.items():
+            scalars.setdefault(g, {}).update(found)
+    return dtypes, scalars
+
+
 @dataclass
 class StepHandle:
     """An update ``ActorTier._submit`` started and ``ActorTier._collect`` finishes."""
@@ -135,11 +145,7 @@ class RemoteSnapshot:
     def state(self) -> TierState:
         """The optimizer's name, state dtypes, hyperparameters and scalars (no tensors: ``units``
         is empty); waits for the actors' copies."""
-        dtypes, scalars = {}, {}
-        for part_dtypes, part_scalars in self.tier._get(self.calls):
-            dtypes.update(part_dtypes)
-            for g, found in part_scalars.items():
-                scalars.setdefault(g, {}).update(found)
+        dtypes, scalars = _merged(self.tier._get(self.calls))
         return TierState([], self.optimizer, dtypes, self.param_groups,
                          [scalars.get(g, {}) for g in range(len(self.param_groups))])
 
@@ -356,14 +362,9 @@ class ActorTier(OptimizerTier):
     # --- state over element ranges ----------------------------------------------------------------------
     def _export(self, ranges, with_optimizer):
         assert self._pending is None, "an update is in flight"
-        segments, dtypes, scalars = [], {}, {}
-        for part_segments, part_dtypes, part_scalars in self._get([a.export.remote(ranges, with_optimizer)
-                                                                   for a in self.actors]):
-            segments += part_segments
-            dtypes.update(part_dtypes)
-            for g, found in part_scalars.items():
-                scalars.setdefault(g, {}).update(found)
-        return segments, dtypes, scalars
+        parts = self._get([a.export.remote(ranges, with_optimizer) for a in self.actors])
+        dtypes, scalars = _merged([(part_dtypes, part_scalars) for _, part_dtypes, part_scalars in parts])
+        return [s for part_segments, _, _ in parts for s in part_segments], dtypes, scalars
 
     def _import(self, pieces: list[UnitRange], scalars) -> None:
         """Each actor gets the parts of ``pieces`` inside its own chunks, and nothing else."""
