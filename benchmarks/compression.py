@@ -2,12 +2,14 @@
 
     python -m benchmarks.compression --world 2 --steps 14 --model gpt-tiny --json compression.json
 
-Spawns ``--world`` gloo ranks. On the same model init and data, at ZeRO stage 0, three engines
+Spawns ``--world`` gloo ranks. On the same model init and data, at ZeRO stage 0, five engines
 take turns one optimizer step at a time: torch AdamW and raydeep's Lamb (the gradients
 all-reduced in fp32), 1-bit Adam, 0/1 Adam and 1-bit LAMB, past their warm-up after two steps
 (``freeze_step`` / ``var_freeze_step`` 2; 0/1 Adam's local steps are off, ``local_step_clipper``
-1, so every step communicates). 1-bit LAMB's step is also given against Lamb's. A step's time is the slowest rank's wall time from a barrier; the first
-``--warmup`` steps are dropped; medians over the rest. Bytes per step come from ``CommStats``.
+1, so every step communicates). 1-bit LAMB's step is also given against Lamb's. A step's time
+is the slowest rank's wall time from a barrier; the first ``--warmup`` steps are dropped;
+medians over the rest. Bytes and collectives per step come from ``CommStats`` (the collectives
+include the gradient norm's all-reduce).
 
 On CPU ranks sharing two cores the compressed all-reduce does more arithmetic (norms, signs,
 packing, unpacking) than it saves in gloo transfer over loopback: compression pays where the
@@ -52,6 +54,7 @@ def measure(args) -> dict:
     g = torch.Generator().manual_seed(rank)
     times = {name: [] for name in engines}
     nbytes = {name: [] for name in engines}
+    calls = {name: [] for name in engines}
     for step in range(args.steps):
         x = torch.randint(0, 256, (args.micro, block + 1), generator=g)
         order = list(engines)[step % len(engines):] + list(engines)[:step % len(engines)]
@@ -66,8 +69,10 @@ def measure(args) -> dict:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[name].append(float(elapsed))
             nbytes[name].append(sum(op["bytes"] for op in engine.comm_stats().values()))
+            calls[name].append(sum(op["calls"] for op in engine.comm_stats().values()))
     phases = {name: engine.tier.phase for name, engine in engines.items()}
-    return {"times": times, "bytes": nbytes, "phases": phases}
+    chunks = {name: len(engine.tier.shards.params) for name, engine in engines.items()}
+    return {"times": times, "bytes": nbytes, "calls": calls, "phases": phases, "chunks": chunks}
 
 
 def summarize(args, result: dict) -> dict:
@@ -78,7 +83,9 @@ def summarize(args, result: dict) -> dict:
         t = statistics.median(result["times"][name][args.warmup:])
         b = statistics.median(result["bytes"][name][args.warmup:])
         out["engines"][name] = {"step_s": t, "vs_adam": t / base, "bytes_per_step": b,
-                                "bytes_vs_adam": b / base_bytes, "phase": result["phases"][name]}
+                                "bytes_vs_adam": b / base_bytes, "phase": result["phases"][name],
+                                "collectives_per_step": statistics.median(result["calls"][name][args.warmup:]),
+                                "chunks": result["chunks"][name]}
     lamb = out["engines"]["Lamb"]["step_s"]
     out["engines"]["OneBitLamb"]["vs_lamb"] = out["engines"]["OneBitLamb"]["step_s"] / lamb
     return out
@@ -89,7 +96,8 @@ def render(summary: dict) -> str:
     for name, e in summary["engines"].items():
         versus = f", {e['vs_lamb']:.2f}x Lamb" if "vs_lamb" in e else ""
         lines.append(f"  {name:12s} {e['step_s'] * 1e3:7.1f} ms ({e['vs_adam']:.2f}x Adam{versus}), "
-                     f"{e['bytes_per_step'] / 1e6:7.3f} MB per step ({e['bytes_vs_adam']:.4f}x Adam)")
+                     f"{e['bytes_per_step'] / 1e6:7.3f} MB per step ({e['bytes_vs_adam']:.4f}x Adam), "
+                     f"{e['collectives_per_step']:g} collectives per step for {e['chunks']} chunks")
     return "\n".join(lines)
 
 

@@ -82,15 +82,17 @@ class OnebitLamb(_CompressedOptimizer):
         initialized, compressed = self.steps_taken > 0, self.communicates_gradients()
         if compressed and any("scaling_coeff" not in self._layer(name) for name in self._names()):
             self._fix_scaling_coeffs()
+        work = []
         for group, p, state in self._params_with_grad():
             if "exp_avg_sq_fresh" not in state:
                 state["exp_avg_sq_fresh"] = torch.zeros_like(p)
             state["step"] += 1
-            if not initialized:
-                continue
-            if compressed:
-                self._compressed_update(group, p, state)
-            else:
+            if initialized:
+                work.append((group, p, state))
+        if compressed:
+            self._compressed_updates(work)
+        else:
+            for group, p, state in work:
                 self._warmup_update(group, p, state)
         return loss
 
@@ -117,16 +119,26 @@ class OnebitLamb(_CompressedOptimizer):
             self.lamb_coeffs[name] = coeff
             p.data[lo:hi].add_(-group["lr"] * coeff * update[lo:hi])
 
-    def _compressed_update(self, group, p, state) -> None:
+    def _compressed_updates(self, work) -> None:
+        """Every parameter's momentum from its own gradient, scaled per layer, averaged in one
+        compressed exchange, then each updated with its frozen trust ratio."""
+        lasts = []
+        for group, p, state in work:
+            exp_avg, beta1 = state["exp_avg"], group["betas"][0]
+            lasts.append(exp_avg.clone())
+            exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            for name, lo, hi in self._layers[p]:
+                exp_avg[lo:hi].mul_(self.layers[name]["scaling_coeff"])
+        averaged = self._compressed_average([(p, state["exp_avg"]) for _, p, state in work])
+        for (group, p, state), last, avg in zip(work, lasts, averaged):
+            state["exp_avg"].copy_(avg)
+            for name, lo, hi in self._layers[p]:
+                state["exp_avg"][lo:hi].div_(self.layers[name]["scaling_coeff"])
+            self._compressed_update(group, p, state, last)
+
+    def _compressed_update(self, group, p, state, last: torch.Tensor) -> None:
         exp_avg, exp_avg_sq, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
         beta1, beta2 = group["betas"]
-        last = exp_avg.clone()
-        exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-        for name, lo, hi in self._layers[p]:
-            exp_avg[lo:hi].mul_(self.layers[name]["scaling_coeff"])
-        exp_avg.copy_(self._compressed_average(p, exp_avg))
-        for name, lo, hi in self._layers[p]:
-            exp_avg[lo:hi].div_(self.layers[name]["scaling_coeff"])
         grad = (exp_avg - last * beta1) / (1 - beta1)
         fresh.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = exp_avg_sq.sqrt() + group["eps"]

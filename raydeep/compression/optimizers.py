@@ -15,35 +15,58 @@ flattened group in DeepSpeed's fp16 wrapper. Both follow DeepSpeed's code, quirk
   weight decay is added to the update: ``p -= lr * (m / (sqrt(v) + eps) + wd * p)``;
 - one world size: DeepSpeed does not compress with one rank, and neither does this.
 
-The error-feedback buffers are per rank and shaped unlike the masters (padded for the world
-size), so they are not optimizer state of the usual kind: ``rank_state()`` hands them to the
-checkpoint, which stores them in the rank's own file.
+Every tensor a ``step()`` compresses goes out in one compressed all-reduce
+(``CompressedAllReduce.average``): two collectives per call, whatever the number of chunks.
+
+Each rank's own state (``rank_tensors``): the error-feedback buffers, per rank and shaped unlike
+the masters (padded for the world size), and, for 0/1 Adam, the momentum accumulator and, while
+ranks take local steps, the rank's own parameters and momentum (they differ between ranks until
+the next synchronisation). The checkpoint keeps them in the rank's own file; where they cannot be
+carried (another world size or layout), ``reset_rank_state`` restarts them together with what
+depends on them.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
+from raydeep import comm
+
 from raydeep.compression.allreduce import CompressedAllReduce
+
+logger = logging.getLogger("raydeep")
 
 
 class _CompressedOptimizer(torch.optim.Optimizer):
     """What 1-bit Adam and 0/1 Adam share: defaults, the error buffers, the phase query."""
 
+    #: what ``reset_rank_state`` restarts, for its warning
+    rank_state_description = "error feedback"
+
     def __init__(self, params, defaults: dict, communicator: CompressedAllReduce | None):
         if defaults.pop("amsgrad", False):
             raise ValueError(f"{type(self).__name__} does not support the AMSGrad variant")
         super().__init__(params, defaults)
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             if "exp_avg_mask" in group:
-                raise ValueError("exp_avg_mask: raydeep compresses flat buckets of a parameter group, so a "
-                                 "per-parameter momentum mask does not apply; remove it from the param group")
+                raise ValueError(f"param group {i}: exp_avg_mask is not supported: raydeep compresses flat buckets "
+                                 "of several parameters, so a per-parameter momentum mask does not apply; remove it "
+                                 "from the param group (docs/config.md, 'Param-group keys of the compressed "
+                                 "optimizers')")
+        self._check_non_freeze()
         self.comm = communicator or CompressedAllReduce()
         # Per parameter: worker and server error (and 0/1 Adam's momentum accumulator), rank-local.
         self.rank_local: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
 
         self._latched: int | None = None
+
+    def _check_non_freeze(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            if group.get("non_freeze"):
+                logger.warning("param group %d: non_freeze has no effect with %s (DeepSpeed reads it in 1-bit Adam "
+                               "only): the group is compressed like the others", i, type(self).__name__)
 
     @property
     def steps_taken(self) -> int:
@@ -76,18 +99,52 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         """``warm-up`` (exact, uncompressed) or ``compressed``, for the next step."""
         return "compressed" if self.communicates_gradients() else "warm-up"
 
+    # --- communication ------------------------------------------------------------------------------
     def _errors(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
         local = self.rank_local.setdefault(p, {})
         if "worker_error" not in local:
             local["worker_error"], local["server_error"] = self.comm.new_errors(p.numel(), p.device)
         return local
 
-    def _compressed_average(self, p: torch.nn.Parameter, x: torch.Tensor) -> torch.Tensor:
-        if self.comm.world == 1:
-            return x
-        errors = self._errors(p)
-        return self.comm(x, errors["worker_error"], errors["server_error"])
+    def _compressed_average(self, items: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> list[torch.Tensor]:
+        """The compressed average of each ``(parameter, tensor)``'s tensor, all in one exchange."""
+        if self.comm.world == 1 or not items:
+            return [x for _, x in items]
+        pairs = [(e["worker_error"], e["server_error"]) for e in (self._errors(p) for p, _ in items)]
+        return self.comm.average([x for _, x in items], pairs)
 
+    def _exact_average(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` over the ranks in place, uncompressed, in one all-reduce."""
+        if self.comm.world == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        comm.all_reduce(flat, self.comm.stats, group=self.comm.group, owner="non_freeze")
+        flat.mul_(1.0 / self.comm.world)
+        at = 0
+        for t in tensors:
+            t.copy_(flat.narrow(0, at, t.numel()).view_as(t))
+            at += t.numel()
+
+    # --- this rank's own state ----------------------------------------------------------------------
+    def rank_tensors(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """This rank's own tensors for ``p`` (live, not copies), by name."""
+        return dict(self.rank_local.get(p, {}))
+
+    def rank_tensor_shape(self, p: torch.nn.Parameter, key: str) -> torch.Size | None:
+        """The shape ``rank_tensors(p)[key]`` has in this run (None: not a name this optimizer keeps)."""
+        if key in ("worker_error", "server_error"):
+            return self.comm.error_shapes(p.numel())[key == "server_error"]
+        return None
+
+    def load_rank_tensors(self, p: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back ``rank_tensors(p)`` as saved (shapes already checked)."""
+        self.rank_local[p] = {k: v.to(p.device, copy=True) for k, v in tensors.items()}
+
+    def reset_rank_state(self) -> None:
+        """Start this rank's own state again, with everything that must restart with it."""
+        self.rank_local.clear()
+
+    # --- the update ---------------------------------------------------------------------------------
     @staticmethod
     def _apply(p, group, exp_avg, exp_avg_sq) -> torch.Tensor:
         update = exp_avg / (exp_avg_sq.sqrt() + group["eps"])
@@ -108,7 +165,9 @@ class _CompressedOptimizer(torch.optim.Optimizer):
 
 class OnebitAdam(_CompressedOptimizer):
     """DeepSpeed's 1-bit Adam: exact Adam until ``freeze_step``, then frozen variance and the
-    momentum averaged with the compressed all-reduce.
+    momentum averaged with the compressed all-reduce. A parameter group with ``non_freeze: True``
+    stays exact Adam throughout (its gradient all-reduced by the optimizer, uncompressed), as in
+    DeepSpeed.
 
     >>> p = torch.nn.Parameter(torch.ones(4))
     >>> opt = OnebitAdam([p], lr=0.1, freeze_step=2)
@@ -127,6 +186,9 @@ class OnebitAdam(_CompressedOptimizer):
         super().__init__(params, defaults, communicator)
         self.freeze_step = freeze_step
 
+    def _check_non_freeze(self) -> None:
+        pass  # honoured: see ``step``
+
     def communicates_gradients(self) -> bool:
         # DeepSpeed switches after a non-initial step whose count reached freeze_step.
         steps = self.steps_taken
@@ -136,18 +198,26 @@ class OnebitAdam(_CompressedOptimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         initialized, compressed = self.steps_taken > 0, self.communicates_gradients()
+        work = []
         for group, p, state in self._params_with_grad():
             state["step"] += 1
-            if not initialized:
-                continue
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            if initialized:
+                work.append((group, p, state))
+        exact = [(g, p, s) for g, p, s in work if not compressed or g.get("non_freeze")]
+        if compressed:  # the non-frozen groups' own gradients, averaged exactly
+            self._exact_average([p.grad for _, p, _ in exact])
+        for group, p, state in exact:  # exact Adam: the gradient is the average over the ranks
             beta1, beta2 = group["betas"]
-            exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-            if compressed:  # v frozen; the local momentum averaged, compressed
-                exp_avg.copy_(self._compressed_average(p, exp_avg))
-            else:  # the gradient is already the average over the ranks
-                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-            self._apply(p, group, exp_avg, exp_avg_sq)
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        squeezed = [(g, p, s) for g, p, s in work if compressed and not g.get("non_freeze")]
+        for group, p, state in squeezed:  # v frozen; the local momentum, averaged compressed below
+            state["exp_avg"].mul_(group["betas"][0]).add_(p.grad, alpha=1 - group["betas"][0])
+        averaged = self._compressed_average([(p, state["exp_avg"]) for _, p, state in squeezed])
+        for (_, _, state), avg in zip(squeezed, averaged):
+            state["exp_avg"].copy_(avg)
+        for group, p, state in work:
+            self._apply(p, group, state["exp_avg"], state["exp_avg_sq"])
         return loss
 
 
@@ -168,6 +238,8 @@ class ZeroOneAdam(_CompressedOptimizer):
     """
 
     _COUNTERS = ("var_interval", "var_counter", "local_step_interval", "local_step_counter", "lrs")
+    rank_state_description = ("error feedback, local-step momentum accumulator and lrs (the parameters and "
+                              "momentum continue from the checkpoint's, which every rank shares)")
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
@@ -202,59 +274,107 @@ class ZeroOneAdam(_CompressedOptimizer):
         # Phase 1: the exact average only on the steps that refresh the variance.
         return (state["step"] + 1) % state.get("var_interval", 1) != 0
 
+    # --- this rank's own state: while ranks take local steps, their parameters and momentum too ----
+    def rank_tensors(self, p):
+        out = super().rank_tensors(p)
+        if self.frozen and self.state.get(p):
+            out["params"], out["exp_avg"] = p.detach(), self.state[p]["exp_avg"]
+        return out
+
+    def rank_tensor_shape(self, p, key):
+        if key in ("momentum_accumulator", "params", "exp_avg"):
+            return p.shape
+        return super().rank_tensor_shape(p, key)
+
+    def load_rank_tensors(self, p, tensors):
+        tensors = dict(tensors)
+        params, exp_avg = tensors.pop("params", None), tensors.pop("exp_avg", None)
+        super().load_rank_tensors(p, tensors)
+        if params is not None:
+            p.data.copy_(params)
+        if exp_avg is not None and self.state.get(p):
+            self.state[p]["exp_avg"].copy_(exp_avg)
+
+    def reset_rank_state(self) -> None:
+        # The accumulator and lrs restart together: the next synchronisation then spans the
+        # local steps since this point, from the parameters every rank now shares.
+        super().reset_rank_state()
+        for state in self.state.values():
+            if "lrs" in state:
+                state["lrs"] = 0.0
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         initialized, frozen = self.steps_taken > 0, self.frozen
-        if frozen and self.steps_taken == max(self.var_freeze_step + 1, 2):
-            self._zero_errors()  # entering phase 2: the errors now measure accumulated updates
+        entering_phase_two = frozen and self.steps_taken == max(self.var_freeze_step + 1, 2)
+        work = []
         for group, p, state in self._params_with_grad():
             if initialized and "var_interval" not in state:  # DeepSpeed restarts its counters here
                 state.update(var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0.0)
             state["step"] += 1
-            if not initialized:
-                continue
-            self._update(group, p, state, frozen)
+            if initialized:
+                if entering_phase_two:  # the errors now measure accumulated updates: once per parameter
+                    for key in ("worker_error", "server_error"):
+                        if key in self.rank_local.get(p, {}):
+                            self.rank_local[p][key].zero_()
+                work.append((group, p, state))
+        if frozen:
+            self._local_steps(work)
+        else:
+            self._variance_steps(work)
         return loss
 
-    def _update(self, group, p, state, frozen: bool) -> None:
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        beta1, beta2 = group["betas"]
-        local = self.rank_local.setdefault(p, {})
-        accumulator = local.setdefault("momentum_accumulator", torch.zeros_like(p))
-        if not frozen:
-            if state["step"] % state["var_interval"] == 0:  # the gradient is the exact average
-                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-            else:
-                exp_avg.mul_(beta1).add_(self._compressed_average(p, p.grad), alpha=1 - beta1)
-        else:
-            exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-            state["lrs"] += group["lr"]
-        update = self._apply(p, group, exp_avg, exp_avg_sq)
-        if frozen:
-            accumulator.add_(-group["lr"] * update)
-            if state["step"] % state["local_step_interval"] == 0:  # synchronise the local steps
-                p.data.add_(-1 * accumulator)
-                accumulator.mul_(exp_avg_sq.sqrt() + group["eps"])
-                accumulator.copy_(self._compressed_average(p, accumulator))
-                exp_avg.zero_().add_(accumulator / state["lrs"], alpha=-1)
-                p.data.add_(accumulator / (exp_avg_sq.sqrt() + group["eps"]))
-                accumulator.zero_()
-                state["lrs"] = 0.0
-            state["local_step_counter"] += 1
-            if state["local_step_counter"] == self.local_step_scaler:
-                state["local_step_counter"] = 0
-                state["local_step_interval"] = min(self.local_step_clipper, state["local_step_interval"] * 2)
-        else:
+    def _variance_steps(self, work) -> None:
+        """Phase 1: the exact average refreshes the variance on its schedule; between refreshes
+        the gradient is averaged compressed."""
+        refresh = [(g, p, s) for g, p, s in work if s["step"] % s["var_interval"] == 0]
+        squeezed = [(g, p, s) for g, p, s in work if s["step"] % s["var_interval"] != 0]
+        for group, p, state in refresh:  # the gradient is the exact average
+            beta1, beta2 = group["betas"]
+            state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+        averaged = self._compressed_average([(p, p.grad) for _, p, _ in squeezed])
+        for (group, p, state), avg in zip(squeezed, averaged):
+            state["exp_avg"].mul_(group["betas"][0]).add_(avg, alpha=1 - group["betas"][0])
+        for group, p, state in work:
+            self._accumulator(p)
+            self._apply(p, group, state["exp_avg"], state["exp_avg_sq"])
             if state["step"] % state["var_interval"] == 0:
                 state["var_counter"] += 1
                 if state["var_counter"] == self.var_update_scaler:
                     state["var_counter"] = 0
                     state["var_interval"] *= 2
 
-    def _zero_errors(self) -> None:
-        for local in self.rank_local.values():
-            for key in ("worker_error", "server_error"):
-                if key in local:
-                    local[key].zero_()
+    def _local_steps(self, work) -> None:
+        """Phase 2: each rank steps on its own gradient and accumulates the update; every
+        ``local_step_interval`` steps the ranks replace their local progress by the compressed
+        average of everyone's."""
+        syncing = []
+        for group, p, state in work:
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.mul_(group["betas"][0]).add_(p.grad, alpha=1 - group["betas"][0])
+            state["lrs"] += group["lr"]
+            update = self._apply(p, group, exp_avg, exp_avg_sq)
+            accumulator = self._accumulator(p)
+            accumulator.add_(-group["lr"] * update)
+            if state["step"] % state["local_step_interval"] == 0:
+                p.data.add_(-1 * accumulator)  # back to the last synchronised point
+                accumulator.mul_(exp_avg_sq.sqrt() + group["eps"])
+                syncing.append((group, p, state))
+        averaged = self._compressed_average([(p, self._accumulator(p)) for _, p, _ in syncing])
+        for (group, p, state), avg in zip(syncing, averaged):
+            accumulator, exp_avg_sq = self._accumulator(p), state["exp_avg_sq"]
+            accumulator.copy_(avg)
+            state["exp_avg"].zero_().add_(accumulator / state["lrs"], alpha=-1)
+            p.data.add_(accumulator / (exp_avg_sq.sqrt() + group["eps"]))
+            accumulator.zero_()
+            state["lrs"] = 0.0
+        for _, _, state in work:
+            state["local_step_counter"] += 1
+            if state["local_step_counter"] == self.local_step_scaler:
+                state["local_step_counter"] = 0
+                state["local_step_interval"] = min(self.local_step_clipper, state["local_step_interval"] * 2)
+
+    def _accumulator(self, p) -> torch.Tensor:
+        return self.rank_local.setdefault(p, {}).setdefault("momentum_accumulator", torch.zeros_like(p))

@@ -8,10 +8,11 @@ optimizer averages what it needs with the compressed all-reduce. The engine then
 overflow and clipping across the ranks, whose gradients now differ.
 
 The masters, ``exp_avg`` and ``exp_avg_sq`` (and the step counters) are ordinary optimizer state
-and go through the checkpoint's element ranges like any other; the error-feedback buffers (and
-0/1 Adam's momentum accumulator) are this rank's own: ``rank_state`` hands them to the
-checkpoint, which keeps them in the rank's file and gives them back only to the same rank of the
-same world size.
+and go through the checkpoint's element ranges like any other; what is this rank's own (the
+error-feedback buffers, 0/1 Adam's momentum accumulator and, during its local steps, the rank's
+parameters and momentum: ``rank_tensors``) goes into the rank's file by chunk name (unit and
+element range) and comes back only to the same rank of the same world size and layout, shapes
+checked; otherwise it restarts, together with what depends on it, with one warning.
 """
 from __future__ import annotations
 
@@ -87,24 +88,51 @@ class CompressedTier(LocalTier):
         super()._import(pieces, scalars)
 
     # --- rank-local state (error feedback) ---------------------------------------------------------
+    def _chunk_names(self) -> list[str]:
+        """Each master's name in a rank file: its unit and element range, so a checkpoint
+        written with another ``sub_group_size`` or bucket layout is told apart, not misread."""
+        return [f"unit{c.unit}.{c.lo}-{c.hi}" for sg in self.sub_groups for c in sg]
+
     def rank_state(self) -> dict[str, torch.Tensor]:
         out = {}
-        for i, param in enumerate(self.shards.params):
-            for key, tensor in self.optimizer.rank_local.get(param, {}).items():
-                out[f"chunk{i}.{key}"] = tensor
+        for name, param in zip(self._chunk_names(), self.shards.params):
+            for key, tensor in self.optimizer.rank_tensors(param).items():
+                out[f"{name}.{key}"] = tensor
         return out
 
     def load_rank_state(self, tensors: dict[str, torch.Tensor] | None, why_not: str = "") -> None:
-        self.optimizer.rank_local.clear()
+        """Take this rank's own state back, all of it or (another world size or layout) none:
+        what cannot be carried restarts together, with one warning."""
+        what = type(self.optimizer).__name__ + " " + self.optimizer.rank_state_description
+        if tensors is not None and (mismatch := self._match(tensors)):
+            tensors, why_not = None, (f"the checkpoint was saved with another layout of the optimizer's chunks "
+                                      f"({mismatch}), so this rank's own state cannot be matched to this run's")
         if tensors is None:
+            self.optimizer.reset_rank_state()
             if why_not:
-                logger.warning("%s error feedback reset: %s", type(self.optimizer).__name__, why_not)
+                logger.warning("%s reset: %s", what, why_not)
             return
-        for i, param in enumerate(self.shards.params):
-            prefix = f"chunk{i}."
+        self.optimizer.rank_local.clear()
+        for name, param in zip(self._chunk_names(), self.shards.params):
+            prefix = name + "."
             found = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
             if found:
-                self.optimizer.rank_local[param] = {k: v.to(param.device, copy=True) for k, v in found.items()}
+                self.optimizer.load_rank_tensors(param, found)
+        if any(k.rpartition(".")[2] == "params" for k in tensors):  # each rank's own parameters, published
+            self._write_params([c for sg in self.sub_groups for c in sg])
+
+    def _match(self, tensors: dict[str, torch.Tensor]) -> str:
+        """Why ``tensors`` do not fit this run's chunks ('' when they do)."""
+        by_name = dict(zip(self._chunk_names(), self.shards.params))
+        for key, tensor in tensors.items():
+            name, _, kind = key.rpartition(".")
+            param = by_name.get(name)
+            if param is None:
+                return f"{key} names no chunk of this run"
+            expected = self.optimizer.rank_tensor_shape(param, kind)
+            if expected is None or tuple(tensor.shape) != tuple(expected):
+                return f"{key} has shape {tuple(tensor.shape)}, this run's is {tuple(expected or ())}"
+        return ""
 
     def compression_report(self) -> dict:
         stats = self.compressor.stats.summary() if self.compressor.stats is not None else {}

@@ -19,9 +19,14 @@ def initial_params() -> list[torch.Tensor]:
     return [torch.randn(n, generator=g) for n in SIZES]
 
 
-def run_optimizer(name: str, options: dict, steps: int) -> dict:
+def run_optimizer(name: str, options: dict, steps: int, split: list[list[int]] | None = None,
+                  groups: list[dict] | None = None) -> dict:
     """The distributed optimizer over ``initial_params`` on this rank, fed ``dyadic_grads`` as the
-    engine would: all-reduced and averaged unless the optimizer communicates itself."""
+    engine would: all-reduced and averaged unless the optimizer communicates itself.
+
+    ``split``: step the parameters in several ``step()`` calls of one step (the optimizer tier's
+    sub-groups), each call seeing only its parameters' gradients. ``groups``: one param group per
+    parameter, with these extra options each (e.g. ``non_freeze``)."""
     import torch.distributed as dist
 
     from raydeep import comm
@@ -31,8 +36,10 @@ def run_optimizer(name: str, options: dict, steps: int) -> dict:
     stats = comm.CommStats()
     params = [torch.nn.Parameter(p) for p in initial_params()]
     cls = {"onebitadam": OnebitAdam, "zerooneadam": ZeroOneAdam, "onebitlamb": OnebitLamb}[name]
-    opt = cls(params, communicator=CompressedAllReduce(stats), **options)
-    history, phases, step_bytes = [], [], []
+    param_groups = params if groups is None else [{"params": [p], **extra} for p, extra in zip(params, groups)]
+    opt = cls(param_groups, communicator=CompressedAllReduce(stats), **options)
+    split = split or [list(range(len(params)))]
+    history, phases, step_bytes, step_calls = [], [], [], []
     for step in range(1, steps + 1):
         own = opt.communicates_gradients()
         phases.append(opt.phase)
@@ -42,13 +49,18 @@ def run_optimizer(name: str, options: dict, steps: int) -> dict:
                 comm.all_reduce(g, stats)
                 g.mul_(1.0 / world)
         before = stats.total_bytes
-        for p, g in zip(params, grads):
-            p.grad = g
+        calls = {k: v["calls"] for k, v in stats.summary().items()}
         with opt.one_phase():
-            opt.step()
+            for indices in split:
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    p.grad = g if i in indices else None
+                opt.step()
         step_bytes.append(stats.total_bytes - before)
+        step_calls.append({k: v["calls"] - calls.get(k, 0) for k, v in stats.summary().items()
+                           if v["calls"] - calls.get(k, 0)})
         history.append([p.detach().clone() for p in params])
-    return {"history": history, "phases": phases, "step_bytes": step_bytes, "comm": stats.summary()}
+    return {"history": history, "phases": phases, "step_bytes": step_bytes, "step_calls": step_calls,
+            "comm": stats.summary()}
 
 
 # --- the engine on the tiny GPT ------------------------------------------------------------------
@@ -60,7 +72,8 @@ def gpt_config(optimizer: dict, gas: int = 1, micro: int = 2, clip: float = 0.0,
 class WireBytes:
     """Counts, independently of raydeep's CommStats, the bytes this rank sends through
     torch.distributed: a ring all-reduce sends 2(w-1)/w of the tensor, an all-to-all (w-1)/w of
-    its input, an all-gather its input to each of the w-1 others."""
+    its input, an all-gather its input to each of the w-1 others, a point-to-point send its tensor
+    (on gloo raydeep's all-gather is sends and receives: ``raydeep.comm.exchange``)."""
 
     def __init__(self):
         import torch.distributed as dist
@@ -69,7 +82,8 @@ class WireBytes:
         world = dist.get_world_size()
         rules = {"all_reduce": lambda t, *a, **k: 2 * (world - 1) / world * _nbytes(t),
                  "all_to_all_single": lambda out, inp, *a, **k: (world - 1) / world * _nbytes(inp),
-                 "all_gather_into_tensor": lambda out, inp, *a, **k: (world - 1) * _nbytes(inp)}
+                 "all_gather_into_tensor": lambda out, inp, *a, **k: (world - 1) * _nbytes(inp),
+                 "isend": lambda t, *a, **k: _nbytes(t)}
         if hasattr(dist, "all_gather_single"):
             rules["all_gather_single"] = rules["all_gather_into_tensor"]
         for name, rule in rules.items():
@@ -193,31 +207,47 @@ def train_steps(engine, steps: int) -> list[float]:
     return losses
 
 
-def reload_in_compressed_stage(optimizer: dict, steps: int, save_at: int, path: str) -> dict:
-    """An uninterrupted run, and the same run saved at ``save_at`` (in the compressed stage) and
-    continued by a fresh engine loaded from that checkpoint."""
+def reload_at_every_step(optimizer: dict, steps: int, path: str, save_at: list[int]) -> dict:
+    """An uninterrupted run that saves a checkpoint after each step of ``save_at``; then, for
+    each, a fresh engine loaded from it and continued to ``steps``. Returns, per save point, the
+    phase it was saved in, the largest loss difference to the uninterrupted run and whether the
+    final parameters are the same bits."""
     import raydeep
     from tests.dist.workloads import tiny_gpt
 
     cfg = gpt_config(optimizer, gas=2, clip=1.0)
     straight, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
-    expected = train_steps(straight, steps)
-    first, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
-    got = train_steps(first, save_at)
-    phase_at_save = first.tier.phase
-    first.save_checkpoint(path, tag="mid")
-    first.destroy()
-    resumed, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
-    resumed.load_checkpoint(path, tag="mid")
-    got += train_steps(resumed, steps - save_at)
-    return {"expected": expected, "got": got, "phase_at_save": phase_at_save,
-            "same_params": all(torch.equal(a.local, b.local) for a, b in zip(straight.strategy.units,
-                                                                             resumed.strategy.units))}
+    expected, phases = [], {}
+    for step in range(1, steps + 1):
+        expected += train_steps(straight, 1)
+        if step in save_at:
+            phases[step] = describe_phase(straight.tier.optimizer)
+            straight.save_checkpoint(path, tag=f"s{step}")
+    out = {}
+    for step in save_at:
+        resumed, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
+        resumed.load_checkpoint(path, tag=f"s{step}")
+        got = train_steps(resumed, steps - step)
+        out[step] = {"phase": phases[step], "worst": max(abs(a - b) for a, b in zip(got, expected[step:])),
+                     "same_params": all(torch.equal(a.local, b.local) for a, b in
+                                        zip(straight.strategy.units, resumed.strategy.units))}
+        resumed.destroy()
+    return out
 
 
-def load_at_another_world_size(optimizer: dict, path: str) -> dict:
-    """Load a checkpoint written at another world size: the error feedback starts from zero, with
-    a warning naming both world sizes; training continues in the compressed stage."""
+def describe_phase(optimizer) -> str:
+    """Which phase the next step is in, finer than ``phase`` for 0/1 Adam: ``local steps`` once
+    the variance is frozen, ``between syncs`` when the ranks' local progress is not yet averaged."""
+    if not hasattr(optimizer, "frozen") or not optimizer.frozen:
+        return optimizer.phase
+    pending = any(float(local["momentum_accumulator"].abs().sum()) > 0 for local in optimizer.rank_local.values()
+                  if "momentum_accumulator" in local)
+    return "between syncs" if pending else "local steps"
+
+
+def load_at_another_world_size(optimizer: dict, path: str, tag: str, bucket: int = 40000) -> dict:
+    """Load a checkpoint written at another world size (or with another ``reduce_bucket_size``):
+    this rank's own state restarts, with one warning; training continues in the compressed stage."""
     import logging
 
     import raydeep
@@ -228,13 +258,17 @@ def load_at_another_world_size(optimizer: dict, path: str) -> dict:
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("raydeep").addHandler(handler)
     try:
-        engine, *_ = raydeep.initialize(model=tiny_gpt(), config=gpt_config(optimizer, gas=2, clip=1.0))
-        engine.load_checkpoint(path, tag="mid")
+        cfg = gpt_config(optimizer, gas=2, clip=1.0)
+        cfg["zero_optimization"]["reduce_bucket_size"] = bucket
+        engine, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
+        engine.load_checkpoint(path, tag=tag)
+        lrs = [s["lrs"] for s in engine.tier.optimizer.state.values() if "lrs" in s]
         losses = train_steps(engine, 2)
     finally:
         logging.getLogger("raydeep").removeHandler(handler)
     return {"warnings": [r for r in records if "error feedback" in r], "phase": engine.tier.phase,
-            "losses": losses, "errors": {k: float(v.abs().sum()) for k, v in engine.tier.rank_state().items()}}
+            "losses": losses, "lrs_after_load": max(lrs) if lrs else None,
+            "errors": {k: float(v.abs().sum()) for k, v in engine.tier.rank_state().items()}}
 
 
 def converge(optimizers: dict[str, dict], steps: int, micro: int, seed: int = 3) -> dict:
