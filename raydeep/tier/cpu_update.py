@@ -74,6 +74,7 @@ def _load() -> tuple[object | None, str]:
     name, flags = spec
     try:
         from torch.utils import cpp_extension
+        clear_stale_lock(_build_directory(cpp_extension, name))
         path = cpp_extension.load(name, [_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   is_python_module=False, verbose=False)
         ops = getattr(torch.ops, name)
@@ -83,6 +84,41 @@ def _load() -> tuple[object | None, str]:
     if mismatch:
         return None, mismatch
     return ops, str(path)
+
+
+def _build_directory(cpp_extension, name: str) -> str:
+    try:
+        return cpp_extension._get_build_directory(name, False)
+    except AttributeError:  # a torch without the helper: its default layout
+        return os.path.join(cpp_extension.get_default_build_root(), name)
+
+
+STALE_LOCK_S = 300.0  # a build of this one file takes under a minute, a few on a loaded machine
+
+
+def clear_stale_lock(build_dir: str, stale_after: float = STALE_LOCK_S, poll: float = 1.0) -> bool:
+    """Remove the build lock a killed build left behind; True if one was removed.
+
+    torch's extension builder waits, without a limit, for the ``lock`` file of a build in progress
+    to go away; a build killed mid-way (a Ctrl-C, an OOM kill) leaves it forever, and every later
+    process would hang on it. A lock younger than ``stale_after`` seconds is another process's
+    build: wait for it (polling) until it finishes or grows stale."""
+    lock = os.path.join(build_dir, "lock")
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return False  # no lock: nobody is building
+        if age >= stale_after:
+            break
+        time.sleep(min(poll, stale_after - age))
+    try:
+        os.remove(lock)
+    except OSError:
+        return False  # its build finished, or another process removed it first
+    warnings.warn(f"raydeep: removed the fused CPU update's build lock {lock}, left {age:.0f} s ago by a build "
+                  "that did not finish; building again", stacklevel=2)
+    return True
 
 
 def _short(exc: BaseException) -> str:

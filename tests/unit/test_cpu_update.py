@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -177,3 +179,32 @@ def test_bitwise_on_a_lower_capability(built, capability):
     assert result["capability"] == capability.upper()
     assert result["available"], result["status"]
     assert result["failures"] == []
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on_forever(tmp_path):
+    """torch's extension builder waits without a limit for its ``lock`` file: one left by a killed
+    build would hang every later process (``make`` included). Stale: removed, with a warning."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="did not finish"):
+        assert cpu_update.clear_stale_lock(str(tmp_path), stale_after=600)
+    assert not lock.exists()
+    assert not cpu_update.clear_stale_lock(str(tmp_path))  # no lock: nothing to do, no wait
+
+
+def test_a_fresh_build_lock_is_another_build_in_progress_and_is_waited_for(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    finished = threading.Timer(0.3, lock.unlink)  # the other process's build ends
+    finished.start()
+    began = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # waiting for a live build warns nothing
+        assert not cpu_update.clear_stale_lock(str(tmp_path), stale_after=600, poll=0.05)
+    assert 0.25 <= time.monotonic() - began < 10
+    # A build that stops updating its lock past the limit is taken for dead while waiting.
+    lock.write_text("")
+    with pytest.warns(UserWarning, match="did not finish"):
+        assert cpu_update.clear_stale_lock(str(tmp_path), stale_after=0.2, poll=0.05)
