@@ -9,8 +9,9 @@ compressed momentum.
   variance that keeps tracking the gradients afterwards.
 - **Compressed stage**: ``v`` frozen; each rank's own momentum, each layer multiplied by its
   ``scaling_coeff`` (the mean of all layers' momentum RMS over its own, fixed at the first
-  compressed step, so that one 1-bit scale fits every layer of a bucket), averaged with the
-  compressed all-reduce, divided back. The gradient is reconstructed from the momentum change to
+  compressed step, so that one 1-bit scale fits every layer), all momenta averaged as ONE fused
+  tensor with the compressed all-reduce (as DeepSpeed's ``exp_avg_flat``: padded once, the
+  padding keeping the last decoded values), divided back. The gradient is reconstructed from the momentum change to
   update the fresh variance; the trust ratio is the frozen coefficient times a factor
   ``max(denominator / fresh denominator)`` (pulled towards 1 by the weight-decay share of the
   update), clamped to ``[factor_min, factor_max]`` and to ``factor_threshold`` of the last one.
@@ -60,6 +61,8 @@ class OnebitLamb(_CompressedOptimizer):
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.layers: dict[str, dict[str, float]] = {}
+        # This rank's fused exchange: its worker and server error and the padding (``_fused_average``).
+        self.fused: dict[str, torch.Tensor] = {}
         self.lamb_coeffs: dict[str, float] = {}  # the trust ratio each layer used in the last step
         all_params = [p for group in self.param_groups for p in group["params"]]
         self._layers = {p: [(f"param{i}", 0, p.numel())] for i, p in enumerate(all_params)}
@@ -120,8 +123,9 @@ class OnebitLamb(_CompressedOptimizer):
             p.data[lo:hi].add_(-group["lr"] * coeff * update[lo:hi])
 
     def _compressed_updates(self, work) -> None:
-        """Every parameter's momentum from its own gradient, scaled per layer, averaged in one
-        compressed exchange, then each updated with its frozen trust ratio."""
+        """Every parameter's momentum from its own gradient, scaled per layer, averaged as one
+        fused tensor, then each updated with its frozen trust ratio."""
+        self._check_variance(work)
         lasts = []
         for group, p, state in work:
             exp_avg, beta1 = state["exp_avg"], group["betas"][0]
@@ -129,9 +133,8 @@ class OnebitLamb(_CompressedOptimizer):
             exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
             for name, lo, hi in self._layers[p]:
                 exp_avg[lo:hi].mul_(self.layers[name]["scaling_coeff"])
-        averaged = self._compressed_average([(p, state["exp_avg"]) for _, p, state in work])
-        for (group, p, state), last, avg in zip(work, lasts, averaged):
-            state["exp_avg"].copy_(avg)
+        self._fused_average([state["exp_avg"] for _, _, state in work])
+        for (group, p, state), last in zip(work, lasts):
             for name, lo, hi in self._layers[p]:
                 state["exp_avg"][lo:hi].div_(self.layers[name]["scaling_coeff"])
             self._compressed_update(group, p, state, last)
@@ -151,6 +154,44 @@ class OnebitLamb(_CompressedOptimizer):
             coeff = layer["lamb_coeff_freeze"] * factor
             self.lamb_coeffs[name] = coeff
             p.data[lo:hi].add_(-group["lr"] * coeff * update[lo:hi])
+
+    def _fused_average(self, momenta: list[torch.Tensor]) -> None:
+        """Replace ``momenta`` by their compressed average over the ranks, compressed as DeepSpeed
+        did: one tensor of them all, end to end, padded once (so one scale spans every layer, which
+        the scaling coefficients make fit); the padding keeps the last decoded values, which enter
+        the next step's scale, as DeepSpeed's padded buffer did."""
+        if self.comm.world == 1 or not momenta:
+            return
+        total = sum(m.numel() for m in momenta)
+        if self.fused.get("padding") is None or self.fused["padding"].numel() + total != \
+                self.fused["worker_error"].numel():
+            worker, server = self.comm.new_errors(total, momenta[0].device)
+            self.fused = {"worker_error": worker, "server_error": server,
+                          "padding": torch.zeros(worker.numel() - total, device=worker.device)}
+        flat = torch.cat([m.reshape(-1) for m in momenta] + [self.fused["padding"]])
+        (out,) = self.comm.average([flat], [(self.fused["worker_error"], self.fused["server_error"])])
+        at = 0
+        for m in momenta:
+            m.copy_(out.narrow(0, at, m.numel()).view_as(m))
+            at += m.numel()
+        self.fused["padding"].copy_(out.narrow(0, at, out.numel() - at))
+
+    def shared_rank_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.fused)
+
+    def shared_rank_tensor_shape(self, key: str) -> torch.Size | None:
+        total = sum(p.numel() for group in self.param_groups for p in group["params"])
+        worker, server = self.comm.error_shapes(total)
+        return {"worker_error": worker, "server_error": server,
+                "padding": torch.Size([worker[0] - total])}.get(key)
+
+    def load_shared_rank_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        device = next(p.device for group in self.param_groups for p in group["params"])
+        self.fused = {k: v.to(device, copy=True) for k, v in tensors.items()}
+
+    def reset_rank_state(self) -> None:
+        super().reset_rank_state()
+        self.fused = {}
 
     def _factor(self, group, layer: dict, ratio: torch.Tensor, prelim: torch.Tensor, update: torch.Tensor) -> float:
         """How much the frozen trust ratio is scaled this step: the largest growth of the
@@ -175,15 +216,20 @@ class OnebitLamb(_CompressedOptimizer):
 
     def _fix_scaling_coeffs(self) -> None:
         """At the first compressed step: each layer's momentum RMS against the mean RMS of all
-        layers (from the momenta the warm-up left, the same on every rank)."""
-        squares: dict[str, float] = {}
-        sizes: dict[str, int] = {}
+        layers (from the momenta the warm-up left, the same on every rank), each RMS the fp32
+        norm over the square root of the size, as DeepSpeed computed it."""
+        pieces: dict[str, list[torch.Tensor]] = {}
         for p, layers in self._layers.items():
             exp_avg = self.state[p]["exp_avg"] if self.state.get(p) else torch.zeros_like(p)
             for name, lo, hi in layers:
-                squares[name] = squares.get(name, 0.0) + exp_avg[lo:hi].double().pow(2).sum().item()
-                sizes[name] = sizes.get(name, 0) + hi - lo
-        rms = {name: math.sqrt(squares[name] / sizes[name]) if sizes[name] else 0.0 for name in squares}
+                pieces.setdefault(name, []).append(exp_avg[lo:hi])
+        rms = {}
+        for name, parts in pieces.items():
+            size = sum(t.numel() for t in parts)
+            if len(parts) == 1:
+                rms[name] = (torch.linalg.vector_norm(parts[0]) / math.sqrt(size)).item() if size else 0.0
+            else:  # a layer in several pieces (not in raydeep's own layouts)
+                rms[name] = math.sqrt(sum(t.double().pow(2).sum().item() for t in parts) / size) if size else 0.0
         united = sum(rms.values()) / len(rms)
         for name, value in rms.items():
             # A layer whose momentum is exactly zero (unused) keeps its scale: DeepSpeed divided by zero.

@@ -61,6 +61,7 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         self.rank_local: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
 
         self._latched: int | None = None
+        self._variance_checked = False
 
     def _check_non_freeze(self) -> None:
         for i, group in enumerate(self.param_groups):
@@ -140,9 +141,36 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         """Take back ``rank_tensors(p)`` as saved (shapes already checked)."""
         self.rank_local[p] = {k: v.to(p.device, copy=True) for k, v in tensors.items()}
 
+    def shared_rank_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's own tensors that belong to no one parameter (1-bit LAMB's fused exchange)."""
+        return {}
+
+    def shared_rank_tensor_shape(self, key: str) -> torch.Size | None:
+        return None
+
+    def load_shared_rank_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back ``shared_rank_tensors()`` as saved (shapes already checked)."""
+
     def reset_rank_state(self) -> None:
         """Start this rank's own state again, with everything that must restart with it."""
         self.rank_local.clear()
+
+    def _check_variance(self, work) -> None:
+        """Once, at the first compressed step: say how many elements have a variance of exactly 0.
+        1-bit compression cannot send a zero (every element decodes to +-scale), so such an
+        element (a parameter that never had a gradient: the embedding row of a token never seen)
+        moves by about lr * scale / eps per step. DeepSpeed masked them with ``exp_avg_mask``."""
+        if self._variance_checked or not work:
+            return
+        self._variance_checked = True
+        zero = sum(int((state["exp_avg_sq"] == 0).sum()) for _, _, state in work)
+        if zero:
+            total = sum(state["exp_avg_sq"].numel() for _, _, state in work)
+            logger.warning("%s: %d of %d elements have a variance of exactly 0 at the first compressed step (never "
+                           "given a gradient, e.g. embedding rows of tokens not seen yet); 1-bit compression cannot "
+                           "send a zero, so each will move by about lr*scale/eps per step. Warm up longer, or (1-bit "
+                           "Adam) put those parameters in a param group with non_freeze: true",
+                           type(self).__name__, zero, total)
 
     # --- the update ---------------------------------------------------------------------------------
     @staticmethod
@@ -211,6 +239,7 @@ class OnebitAdam(_CompressedOptimizer):
             state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
             state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
         squeezed = [(g, p, s) for g, p, s in work if compressed and not g.get("non_freeze")]
+        self._check_variance(squeezed)
         for group, p, state in squeezed:  # v frozen; the local momentum, averaged compressed below
             state["exp_avg"].mul_(group["betas"][0]).add_(p.grad, alpha=1 - group["betas"][0])
         averaged = self._compressed_average([(p, state["exp_avg"]) for _, p, state in squeezed])
@@ -330,6 +359,7 @@ class ZeroOneAdam(_CompressedOptimizer):
         the gradient is averaged compressed."""
         refresh = [(g, p, s) for g, p, s in work if s["step"] % s["var_interval"] == 0]
         squeezed = [(g, p, s) for g, p, s in work if s["step"] % s["var_interval"] != 0]
+        self._check_variance(squeezed)
         for group, p, state in refresh:  # the gradient is the exact average
             beta1, beta2 = group["betas"]
             state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
@@ -350,6 +380,7 @@ class ZeroOneAdam(_CompressedOptimizer):
         """Phase 2: each rank steps on its own gradient and accumulates the update; every
         ``local_step_interval`` steps the ranks replace their local progress by the compressed
         average of everyone's."""
+        self._check_variance(work)
         syncing = []
         for group, p, state in work:
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]

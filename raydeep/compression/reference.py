@@ -5,7 +5,8 @@ A direct transcription of DeepSpeed's algorithms with lists in place of ranks: n
 collectives, no optimizer classes. An exact average is the rank-order sum times ``1/N`` (what
 the stage-0 strategy computes); the compressed average is written out worker by worker and
 server chunk by server chunk. Each tensor stands for one chunk of the optimizer tier (a flat
-bucket), as the distributed optimizers compress per chunk.
+bucket): 1-bit Adam and 0/1 Adam compress each alone, 1-bit LAMB all of them fused into one, as
+DeepSpeed did.
 
 ``grad_fn(step, rank, params)`` gives worker ``rank``'s own gradients (one tensor per chunk) at
 ``step`` (1-based) for that worker's parameters. Each function returns rank 0's parameters after
@@ -199,7 +200,9 @@ def onebit_lamb(params: list[torch.Tensor], grad_fn: GradFn, steps: int, world: 
     fewer than ``max(freeze_step, 2)`` steps are done; then frozen variance, each worker's
     momentum scaled per layer and averaged compressed, a fresh variance from the reconstructed
     gradient, and the frozen trust ratio times a clamped factor. ``layers[i]`` names the layers
-    inside tensor ``i`` (default: the tensor is one layer, ``param<i>``)."""
+    inside tensor ``i`` (default: the tensor is one layer, ``param<i>``). As in DeepSpeed, the
+    momenta of all tensors are compressed as one fused tensor, padded once, whose padding keeps
+    the last decoded values."""
     beta1, beta2 = betas
     params = [p.detach().clone().float() for p in params]
     layers = layers or [[(f"param{i}", 0, p.numel())] for i, p in enumerate(params)]
@@ -208,18 +211,39 @@ def onebit_lamb(params: list[torch.Tensor], grad_fn: GradFn, steps: int, world: 
     freeze = {name: 0.0 for tensor in layers for name, _, _ in tensor}
     last_factor = dict.fromkeys(freeze, 1.0)
     scaling: dict[str, float] = {}
-    worker_errors, server_errors = _errors(params, world)
+    # All momenta travel as one fused tensor, padded once; its padding keeps the last decoded values.
+    total = sum(p.numel() for p in params)
+    worker_errors, server_errors = _errors([torch.zeros(total)], world)
+    fused_worker, fused_server = worker_errors[0], server_errors[0]
+    padding = torch.zeros(fused_worker[0].numel() - total)
     history = []
     for step in range(1, steps + 1):
         grads = [grad_fn(step, r, params) for r in range(world)]
         compressed = step > 1 and step - 1 >= max(freeze_step, 2)
-        if compressed and not scaling:  # each layer's momentum RMS against their mean, once
+        if compressed and not scaling:  # each layer's momentum RMS (fp32) against their mean, once
             rms = {}
             for i, tensor in enumerate(layers):
                 for name, lo, hi in tensor:
-                    rms[name] = math.sqrt(m[i][lo:hi].double().pow(2).sum().item() / (hi - lo))
+                    rms[name] = (torch.linalg.vector_norm(m[i][lo:hi]) / math.sqrt(hi - lo)).item()
             united = sum(rms.values()) / len(rms)
             scaling = {name: united / r if r > 0 else 1.0 for name, r in rms.items()}
+        if compressed and step > 1:
+            lasts = [t.clone() for t in m]
+            local = []
+            for g in grads:
+                xs = []
+                for i in range(len(params)):
+                    x = m[i].clone().mul_(beta1).add_(g[i], alpha=1 - beta1)
+                    for name, lo, hi in layers[i]:
+                        x[lo:hi].mul_(scaling[name])
+                    xs.append(x.reshape(-1))
+                local.append(torch.cat(xs + [padding]))
+            fused = compressed_average(local, fused_worker, fused_server) if world > 1 else local[0]
+            at = 0
+            for i, p in enumerate(params):
+                m[i] = fused[at:at + p.numel()].clone().view_as(p)
+                at += p.numel()
+            padding = fused[at:].clone()
         for i, p in enumerate(params) if step > 1 else ():
             if not compressed:
                 g = _mean(grads, i)
@@ -237,14 +261,7 @@ def onebit_lamb(params: list[torch.Tensor], grad_fn: GradFn, steps: int, world: 
                         freeze[name] = coeff_beta * freeze[name] + (1 - coeff_beta) * coeff
                     p[lo:hi].add_(-lr * coeff * update[lo:hi])
                 continue
-            last = m[i].clone()
-            local = []
-            for g in grads:
-                x = m[i].clone().mul_(beta1).add_(g[i], alpha=1 - beta1)
-                for name, lo, hi in layers[i]:
-                    x[lo:hi].mul_(scaling[name])
-                local.append(x)
-            m[i] = compressed_average(local, worker_errors[i], server_errors[i]) if world > 1 else local[0]
+            last = lasts[i]
             for name, lo, hi in layers[i]:
                 m[i][lo:hi].div_(scaling[name])
             g = (m[i] - last * beta1) / (1 - beta1)

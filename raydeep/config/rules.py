@@ -149,6 +149,13 @@ def _compressed_optimizer_rules(cfg: RaydeepConfig, spec, errors: list, warnings
     if spec.kwargs.get("cuda_aware"):
         warnings.append("optimizer.params.cuda_aware has no effect: it configured DeepSpeed's MPI backend, which "
                         "raydeep does not use")
+    if spec.name == "zerooneadam" and spec.kwargs.get("var_update_scaler", 16) < 2:
+        warnings.append(f"optimizer.params.var_update_scaler = {spec.kwargs['var_update_scaler']}: the variance is "
+                        "then refreshed only at steps 2, 4, 8, ..., so step 3 already averages the gradient "
+                        "compressed over a variance from ONE gradient; every element whose gradient was zero there "
+                        "(the embedding rows of tokens absent from that batch) has a variance of 0, receives +-scale "
+                        "from the 1-bit average and moves by lr*m/eps, and training diverges. DeepSpeed's 0/1 Adam "
+                        "does the same. Use 2 or more (default 16)")
 
 
 def _scheduler_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:

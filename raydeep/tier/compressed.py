@@ -25,6 +25,7 @@ from raydeep.compression.allreduce import CompressedAllReduce
 from raydeep.tier.local import LocalTier
 
 logger = logging.getLogger("raydeep")
+_SHARED = "all"  # the rank-file prefix of what belongs to no one chunk (1-bit LAMB's fused exchange)
 
 
 class CompressedTier(LocalTier):
@@ -42,7 +43,10 @@ class CompressedTier(LocalTier):
         if layer_wise and 0 < sub_group_size < max((u.local.numel() for u in units), default=0):
             logger.warning("zero_optimization.sub_group_size %d has no effect with %s: its trust ratio is per "
                            "parameter, so each bucket is updated whole", sub_group_size, optimizer_cls.__name__)
-        super().__init__(units, group_options, make, 0 if layer_wise else sub_group_size)
+        # 1-bit LAMB steps every unit whole and all in one sub-group: its momenta are compressed
+        # as one fused tensor, which one ``step()`` call must see.
+        whole = max(sum(u.local.numel() for u in units), 1)
+        super().__init__(units, group_options, make, whole if layer_wise else sub_group_size)
         self.compressor = communicator
         if layer_wise:
             self.optimizer.set_layers(self._parameter_ranges())
@@ -94,7 +98,7 @@ class CompressedTier(LocalTier):
         return [f"unit{c.unit}.{c.lo}-{c.hi}" for sg in self.sub_groups for c in sg]
 
     def rank_state(self) -> dict[str, torch.Tensor]:
-        out = {}
+        out = {f"{_SHARED}.{key}": tensor for key, tensor in self.optimizer.shared_rank_tensors().items()}
         for name, param in zip(self._chunk_names(), self.shards.params):
             for key, tensor in self.optimizer.rank_tensors(param).items():
                 out[f"{name}.{key}"] = tensor
@@ -113,6 +117,8 @@ class CompressedTier(LocalTier):
                 logger.warning("%s reset: %s", what, why_not)
             return
         self.optimizer.rank_local.clear()
+        self.optimizer.load_shared_rank_tensors({k.removeprefix(_SHARED + "."): v for k, v in tensors.items()
+                                                 if k.startswith(_SHARED + ".")})
         for name, param in zip(self._chunk_names(), self.shards.params):
             prefix = name + "."
             found = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
@@ -127,9 +133,12 @@ class CompressedTier(LocalTier):
         for key, tensor in tensors.items():
             name, _, kind = key.rpartition(".")
             param = by_name.get(name)
-            if param is None:
+            if name == _SHARED:
+                expected = self.optimizer.shared_rank_tensor_shape(kind)
+            elif param is None:
                 return f"{key} names no chunk of this run"
-            expected = self.optimizer.rank_tensor_shape(param, kind)
+            else:
+                expected = self.optimizer.rank_tensor_shape(param, kind)
             if expected is None or tuple(tensor.shape) != tuple(expected):
                 return f"{key} has shape {tuple(tensor.shape)}, this run's is {tuple(expected or ())}"
         return ""

@@ -421,3 +421,18 @@ def test_unpack_signs_stays_on_fake_cuda(fake_cuda, n, out_dtype):
         round_trip = unpack_signs(pack_signs(torch.empty(n, device="cuda")), n)
     assert out.device.type == "cuda" and out.dtype == out_dtype and out.shape == (n,)
     assert round_trip.device.type == "cuda" and round_trip.dtype == torch.float32 and round_trip.shape == (n,)
+
+
+@pytest.mark.parametrize("cls, options", [(OnebitAdam, {"freeze_step": 3}), (ZeroOneAdam, {"var_freeze_step": 100,
+                                                                                            "var_update_scaler": 1})])
+def test_elements_with_a_zero_variance_are_reported_once_at_the_first_compressed_step(cls, options, caplog):
+    """An element that never had a gradient keeps a variance of exactly 0, which the 1-bit
+    average cannot respect: said once, with the count."""
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = cls([p], lr=0.1, **options)
+    with caplog.at_level("WARNING", logger="raydeep"):
+        for _ in range(6):
+            p.grad = torch.tensor([1.0, -1.0, 0.5, 0.25, 0.0, 0.0, 0.0, 2.0])  # three elements never move
+            opt.step()
+    warned = [r.getMessage() for r in caplog.records if "variance of exactly 0" in r.getMessage()]
+    assert len(warned) == 1 and "3 of 8 elements" in warned[0], warned

@@ -423,6 +423,15 @@ def test_compressed_communication_optimizers_load_at_stage_0_and_warn_outside_fp
     assert "only verified under FP16" in text and "comm_backend_name 'mpi'" in text and "cuda_aware" in text
 
 
+@pytest.mark.parametrize("scaler, warned", [(1, True), (2, False), (16, False)])
+def test_zero_one_adam_with_var_update_scaler_one_warns_that_it_diverges(scaler, warned, caplog):
+    """DeepSpeed's own 0/1 Adam diverges there (tests/dist/test_compression_deepspeed_oracle.py)."""
+    with caplog.at_level("WARNING", logger="raydeep"):
+        load({**BASE, "fp16": {"enabled": True}, "optimizer": {"type": "ZeroOneAdam", "params": {
+            "lr": 1e-3, "var_freeze_step": 100, "var_update_scaler": scaler}}})
+    assert ("var_update_scaler = 1" in caplog.text and "diverges" in caplog.text) is warned, caplog.text
+
+
 def test_onebit_lamb_loads_with_its_coefficient_params():
     cfg = load({**BASE, "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 100,
                                                                        "max_coeff": 0.3, "factor_threshold": 0.2}}})
