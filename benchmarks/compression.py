@@ -1,6 +1,7 @@
 """Step time and bytes of 1-bit Adam, 0/1 Adam and 1-bit LAMB against uncompressed Adam and LAMB, in one run.
 
     python -m benchmarks.compression --world 2 --steps 14 --model gpt-tiny --json compression.json
+    python -m benchmarks.compression --bucket 50000    # ~17 buckets: one compressed tensor each
 
 Spawns ``--world`` gloo ranks. On the same model init and data, at ZeRO stage 0, five engines
 take turns one optimizer step at a time: torch AdamW and raydeep's Lamb (the gradients
@@ -49,6 +50,8 @@ def measure(args) -> dict:
         model = build_gpt(args.model)
         config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
                   "gradient_clipping": 1.0, "optimizer": optimizer, "zero_optimization": {"stage": 0}}
+        if args.bucket:  # several buckets: the optimizers compress one chunk per bucket
+            config["zero_optimization"]["reduce_bucket_size"] = args.bucket
         engines[name] = raydeep.initialize(model=model, config=config)[0]
     block = engines["Adam"].module.config.block_size
     g = torch.Generator().manual_seed(rank)
@@ -76,7 +79,7 @@ def measure(args) -> dict:
 
 
 def summarize(args, result: dict) -> dict:
-    out = {"world": args.world, "model": args.model, "micro": args.micro, "engines": {}}
+    out = {"world": args.world, "model": args.model, "micro": args.micro, "bucket": args.bucket, "engines": {}}
     base = statistics.median(result["times"]["Adam"][args.warmup:])
     base_bytes = statistics.median(result["bytes"]["Adam"][args.warmup:])
     for name in ENGINES:
@@ -92,7 +95,8 @@ def summarize(args, result: dict) -> dict:
 
 
 def render(summary: dict) -> str:
-    lines = [f"{summary['model']}, {summary['world']} gloo ranks, stage 0, median step after warm-up:"]
+    bucket = f", reduce_bucket_size {summary['bucket']}" if summary.get("bucket") else ""
+    lines = [f"{summary['model']}, {summary['world']} gloo ranks, stage 0{bucket}, median step after warm-up:"]
     for name, e in summary["engines"].items():
         versus = f", {e['vs_lamb']:.2f}x Lamb" if "vs_lamb" in e else ""
         lines.append(f"  {name:12s} {e['step_s'] * 1e3:7.1f} ms ({e['vs_adam']:.2f}x Adam{versus}), "
@@ -112,6 +116,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--bucket", type=int, default=0,
+                        help="zero_optimization.reduce_bucket_size (elements); 0: DeepSpeed's default")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     summary = run(args)

@@ -17,12 +17,13 @@ from raydeep.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_report_section_trains_unchanged(tmp_path):
+def test_the_report_section_trains_unchanged(ray_cluster, tmp_path):
     section = json.loads((REPO / "jobs" / "configs" / "seed_175b_zero3_offload.json").read_text())[
         "activation_checkpointing"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "raydeep", "train", "--storage-path", str(tmp_path), "--name", "report",
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # On the package's shared cluster (tests/ray/conftest.py), not a cluster of its own.
+    command = [sys.executable, "-m", "raydeep", "train", "--address", ray_cluster.address,
+               "--worker-resources", '{"trainer": 1}', "--storage-path", str(tmp_path), "--name", "report",
                "--num-workers", "1", "--steps", "2", "--data", "synthetic",
                "--set", f"activation_checkpointing={json.dumps(section)}"]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
