@@ -4,7 +4,8 @@ micro-batch and step time, for one rank.
     python -m benchmarks.activation [--model gpt-small-cpu] [--micro 4] [--reps 5] [--json out.json]
 
 Rows: no checkpointing; attention (raydeep's default); every block; every k-th block
-(``number_checkpoints`` = layers / k); every block with ``cpu_checkpointing``.
+(``number_checkpoints`` = layers / k); every block with ``cpu_checkpointing``; every block with
+``contiguous_memory_optimization`` (``number_checkpoints`` = layers).
 
 - **saved bytes**: the distinct storages autograd saves for backward in one forward, counted with
   ``saved_tensors_hooks`` installed around it (parameters excluded: they are kept anyway). The
@@ -13,6 +14,9 @@ Rows: no checkpointing; attention (raydeep's default); every block; every k-th b
   it is already there, so the device total is the same as every block's; on a GPU it leaves).
 - **step ms**: median over ``--reps`` of forward + backward + optimizer step, the rows' steps taken
   round-robin after one warm-up round (a shared machine's load drifts; it hits every row alike).
+- **allocs/step, peak MB**: one more step under ``torch.profiler`` (``profile_memory``): the
+  allocations the CPU allocator made in it, and the peak of what was allocated within the step
+  (fragmentation itself is a caching allocator's; on CPU the count is what can change).
 - **doctor**: ``raydeep doctor``'s activation estimate for the same choice
   (:func:`raydeep.doctor.memory.saved_activation_bytes`), against the counted bytes.
 
@@ -28,7 +32,7 @@ import time
 
 import torch
 
-ROWS = ("none", "attention", "block", "every-k", "block+cpu")
+ROWS = ("none", "attention", "block", "every-k", "block+cpu", "block+contig")
 
 
 def _config(row: str, layers: int, k: int) -> dict:
@@ -38,6 +42,9 @@ def _config(row: str, layers: int, k: int) -> dict:
     section = {"cpu_checkpointing": True} if row == "block+cpu" else {}
     if row == "every-k":
         section["number_checkpoints"] = layers // k
+    if row == "block+contig":
+        # DeepSpeed allows contiguous buffers only with partitioned activations (a no-op here: one rank)
+        section.update(contiguous_memory_optimization=True, number_checkpoints=layers, partition_activations=True)
     modules = "attention" if row == "attention" else "block"
     return {**cfg, "activation_checkpointing": section, "raydeep": {"checkpoint_modules": modules}}
 
@@ -94,9 +101,28 @@ def _step_seconds(row: dict) -> float:
     return time.perf_counter() - began
 
 
+def _allocations(row: dict) -> dict:
+    """One step under the profiler: how many allocations the CPU allocator made, their bytes,
+    and the peak of the bytes allocated during the step over those live when it began."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, (x, y) = row["engine"], row["batch"]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.backward(engine(x, y))
+        engine.step()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for n in sizes:  # in the order they happened: + an allocation, - a free
+        live += n
+        peak = max(peak, live)
+    return {"allocations": sum(1 for n in sizes if n > 0), "allocated_bytes": sum(n for n in sizes if n > 0),
+            "peak_step_bytes": peak}
+
+
 def measure(model_name: str, micro: int, reps: int, k: int = 2) -> list[dict]:
     """Every row: the steps are timed round-robin (one step of each row in turn, after one warm-up
-    round), so that the load of a shared machine drifting over the run hits every row alike."""
+    round), so that the load of a shared machine drifting over the run hits every row alike; then
+    one more step of each is profiled for its allocations."""
     rows = [build(row, model_name, micro, k) for row in ROWS]
     times: dict[str, list[float]] = {r["row"]: [] for r in rows}
     for rep in range(reps + 1):
@@ -105,6 +131,8 @@ def measure(model_name: str, micro: int, reps: int, k: int = 2) -> list[dict]:
             if rep:
                 times[r["row"]].append(seconds)
     for r in rows:
+        r.update(_allocations(r))
+    for r in rows:
         del r["engine"], r["batch"]
         r["step_ms"] = 1000 * statistics.median(times[r["row"]])
     return rows
@@ -112,12 +140,13 @@ def measure(model_name: str, micro: int, reps: int, k: int = 2) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     base = next(r for r in rows if r["row"] == "none")
-    lines = [f"{'choice':<11} {'saved MB':>9} {'vs none':>8} {'host MB':>8} {'step ms':>8} {'vs none':>8} "
-             f"{'doctor MB':>10} {'doctor/counted':>15}"]
+    lines = [f"{'choice':<12} {'saved MB':>9} {'vs none':>8} {'host MB':>8} {'step ms':>8} {'vs none':>8} "
+             f"{'doctor MB':>10} {'doctor/counted':>15} {'allocs/step':>12} {'peak MB':>8}"]
     for r in rows:
-        lines.append(f"{r['row']:<11} {r['saved_bytes'] / 1e6:>9.2f} {r['saved_bytes'] / base['saved_bytes']:>8.2f} "
+        lines.append(f"{r['row']:<12} {r['saved_bytes'] / 1e6:>9.2f} {r['saved_bytes'] / base['saved_bytes']:>8.2f} "
                      f"{r['host_bytes'] / 1e6:>8.2f} {r['step_ms']:>8.1f} {r['step_ms'] / base['step_ms']:>8.2f} "
-                     f"{r['doctor_bytes'] / 1e6:>10.2f} {r['doctor_bytes'] / r['saved_bytes']:>15.3f}")
+                     f"{r['doctor_bytes'] / 1e6:>10.2f} {r['doctor_bytes'] / r['saved_bytes']:>15.3f} "
+                     f"{r['allocations']:>12} {r['peak_step_bytes'] / 1e6:>8.2f}")
     return "\n".join(lines)
 
 

@@ -58,3 +58,15 @@ def pytest_make_collect_report(collector):
         report.longrepr = _peer_failure(_skip_reason(report))
     return report
 
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_is_left_on():
+    """A test that leaves autograd switched off (an abandoned generator inside ``no_grad``, say)
+    breaks every later test in the process with a misleading error; fail the culprit instead."""
+    import torch
+
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("this test left torch's grad mode off", pytrace=False)

@@ -179,7 +179,11 @@ def _train(make_optimizer, params: list[torch.Tensor], grad_fn: GradFn, steps: i
                 grads.append(averaged)
             else:
                 grads.append([g.clone().float() for g in local[r]])
-        _lockstep([opt.step(grads[r]) for r, (_, _, opt) in enumerate(ranks)])
+        # DeepSpeed's steps yield inside ``torch.no_grad()`` blocks; interleaved generators would
+        # restore each other's grad mode (leaving it off for the rest of the process), so the
+        # whole lock-stepped update runs with grad mode already off.
+        with torch.no_grad():
+            _lockstep([opt.step(grads[r]) for r, (_, _, opt) in enumerate(ranks)])
         history.append([p.clone() for p in ranks[0][0]])
     return history
 
