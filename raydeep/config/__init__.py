@@ -70,10 +70,10 @@ def load_config(config: Any, *, world_size: int | None = None,
     plan = _batch_plan(cfg, world_size, warnings)
     for key, value in zip(BATCH_KEYS, (plan.train_batch_size, plan.micro_batch, plan.grad_accum)):
         object.__setattr__(cfg, key, value)
+    cfg._world_size = world_size  # before the rules: some depend on it (ZeRO++'s hpZ group)
     errors: list[ConfigError] = []
     check_rules(cfg, errors, warnings)
     _raise(errors)
-    cfg._world_size = world_size
     cfg._warnings.extend(dict.fromkeys(warnings))  # de-duplicated, in order
     for text in cfg.warnings:
         logger.warning(text)

@@ -16,7 +16,7 @@ from raydeep.errors import ConfigError, ConfigErrors, dotted_key, key_part
 def check_rules(cfg: RaydeepConfig, errors: list[ConfigError], warnings: list[str]) -> None:
     """Run every cross-field rule on a validated config, the per-field support table first."""
     check_support(cfg, errors, warnings, cfg._written)
-    for rule in (_precision_rules, _zero_rules, _offload_rules, _reduction_rules,
+    for rule in (_precision_rules, _zero_rules, _zero_plus_plus_rules, _offload_rules, _reduction_rules,
                  _activation_checkpointing_rules, _optimizer_rules, _scheduler_rules, _advice):
         rule(cfg, errors, warnings)
 
@@ -49,6 +49,28 @@ def _zero_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
     if not zero.compute_grad_norm and zero.stage not in (1, 2):
         errors.append(ConfigError("zero_optimization.compute_grad_norm", "compute_grad_norm=false is supported only "
                                   "with ZeRO Stage 1 or 2", value=False, fix="remove it or use stage 1/2"))
+
+
+_ZERO_PP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                 "zero_quantized_gradients")
+
+
+def _zero_plus_plus_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:
+    zero = cfg.zero_optimization
+    on = [k for k in _ZERO_PP_KEYS if (getattr(zero, k) > 1 if k == "zero_hpz_partition_size" else getattr(zero, k))]
+    if on and zero.stage != 3:
+        warnings.append(f"zero_optimization.{on[0]} has no effect at ZeRO stage {zero.stage}: ZeRO++ (hpZ, qwZ, qgZ) "
+                        "changes stage 3's parameter all-gathers and gradient reduce-scatter, as in DeepSpeed")
+    hpz = zero.zero_hpz_partition_size
+    if zero.stage == 3 and hpz > 1 and cfg.world_size > 1:
+        if hpz >= cfg.world_size:
+            # DeepSpeed asserts; a config written for 16-GPU nodes (its tutorial's) still runs on fewer ranks
+            warnings.append(f"zero_optimization.zero_hpz_partition_size = {hpz} is not below the world size "
+                            f"{cfg.world_size}: every rank would hold the same secondary partition as its primary "
+                            "one, so hpZ is off; set it to the ranks per node")
+        elif cfg.world_size % hpz:
+            errors.append(ConfigError("zero_optimization.zero_hpz_partition_size", "must divide the world size "
+                                      f"{cfg.world_size}", value=hpz, fix="set it to the ranks per node"))
 
 
 def _offload_rules(cfg: RaydeepConfig, errors: list, warnings: list) -> None:

@@ -68,6 +68,7 @@ def refuse(why: str, fix: str, example: Any, *, needs: dict | None = None, inert
 
 BUILDER, ENGINE = "raydeep/engine/builder.py", "raydeep/engine/engine.py"
 PARTS = "raydeep/checkpoint/parts.py"  # the checkpoint's settings
+HIERARCHY = "raydeep/zero/hierarchy.py"  # ZeRO++
 SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batch.py", "raydeep/zero/stage3.py"
 
 _ZENFLOW_TOPK = ("raydeep does not split gradients by importance (ZenFlow's top-k columns): every gradient goes "
@@ -225,15 +226,13 @@ SUPPORT: dict[str, Support] = {
         "work", True),
     "zero_optimization.parameter_alignment": warn("raydeep lays out its flat buffers itself, and its checkpoints "
                                                   "do not depend on the layout", True),
-    "zero_optimization.zero_hpz_partition_size": refuse(
-        "ZeRO++ hierarchical partitioning (hpZ) is not supported by raydeep",
-        _ZERO_PP.format(key="zero_hpz_partition_size"), 8, inert=(0,)),
+    "zero_optimization.zero_hpz_partition_size": read(HIERARCHY),
+    "zero_optimization.zero_quantized_weights": read(HIERARCHY),
+    "zero_optimization.zero_quantized_nontrainable_weights": read(HIERARCHY),
+    "zero_optimization.zero_quantized_gradients": read(HIERARCHY),
     **{f"zero_optimization.{key}": refuse(f"{feature} is not supported by raydeep", _ZERO_PP.format(key=key),
                                           example, written=written)
        for key, feature, example, written in (
-           ("zero_quantized_weights", "ZeRO++ quantized weights (qwZ)", True, False),
-           ("zero_quantized_nontrainable_weights", "ZeRO++ quantized weights", True, False),
-           ("zero_quantized_gradients", "ZeRO++ quantized gradients (qgZ)", True, False),
            ("zeropp_loco_param", "LoCo-ZeRO++", {"err_beta": 0.8, "reset_T": 1024}, True),
            ("mics_shard_size", "MiCS", 8, True),
            ("mics_hierarchical_params_gather", "MiCS", True, True))},

@@ -36,7 +36,7 @@ from raydeep.precision.loss_scaler import build_loss_scaler
 from raydeep.tier import OptimizerTier
 from raydeep.tier.select import OffloadSettings, rebuild_client_optimizer, select_tier
 from raydeep.train_state import TrainState
-from raydeep.zero import partitioned, residency
+from raydeep.zero import hierarchy, partitioned, residency
 from raydeep.zero.flat import FlatUnit
 from raydeep.zero.layout import plan_buckets
 from raydeep.zero.stage3 import PrefetchPolicy, Stage3
@@ -229,7 +229,8 @@ def _build_strategy(stage, units, cfg, world, dtype, stats, extra, links: Strate
     if stage == 3:
         module_units, persistent = extra
         policy = PrefetchPolicy(zero.prefetch_bucket_size, zero.max_live_parameters, zero.max_reuse_distance)
-        return Stage3(units, reduce, stats, module_units, persistent, policy, links)
+        plus = hierarchy.build(zero, comm.rank(), world)
+        return Stage3(units, reduce, stats, module_units, persistent, policy, links, plus)
     return {0: Stage0, 1: Stage1, 2: Stage2}[stage](units, reduce, stats, links)
 
 

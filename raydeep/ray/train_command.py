@@ -14,6 +14,7 @@ def run_train_command(spec, address: str | None = None, verbose: bool = False) -
 
     plan = plan_run(spec)  # a config or input the run cannot use fails here, before Ray starts
     console = Console()
+    _print_config_warnings(console, plan[0], spec.min_workers)
     joined = connect(spec, address, log_to_driver=verbose)
     if joined:
         console.print(f"joined the Ray cluster running at {joined} (pass --address local for a new one)")
@@ -64,3 +65,21 @@ def print_summary(console, summary: dict) -> None:
     console.print(f"param_sha256   {summary['param_sha256']}")
     console.print(f"samples_sha256 {summary['samples_sha256']}")
     console.print(f"summary: {summary['storage']}/summary.json")
+
+
+def _print_config_warnings(console, ds_config: dict, world_size: int) -> None:
+    """The keys the config loader warned about (no effect here, or a setting changed), as
+    ``raydeep config check`` prints them: the workers log them too, but only with --verbose."""
+    import logging
+
+    from raydeep.config import load_config
+
+    logger = logging.getLogger("raydeep")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # printed below, once
+    try:
+        cfg = load_config(ds_config, world_size=world_size)
+    finally:
+        logger.setLevel(level)
+    for text in cfg.warnings:
+        console.print(f"[yellow]warning:[/yellow] {text}", highlight=False, soft_wrap=True)

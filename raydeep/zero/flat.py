@@ -26,6 +26,8 @@ from torch import nn
 
 from raydeep import comm
 from raydeep.zero import partitioned
+from raydeep.zero import quantize
+from raydeep.zero.hierarchy import Block
 from raydeep.zero.layout import UnitLayout
 
 
@@ -67,6 +69,13 @@ class FlatUnit:
         self.grad = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
         self.state = ShardState.UNSHARDED
         self._gathering: comm.Pending | None = None  # the all-gather while UNSHARDING
+        # ZeRO++ (stage 3; see ``use_zero_plus_plus``): off until the strategy switches it on.
+        self.hpz: Block | None = None
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz.size of the gathered unit
+        self.secondary_valid = self.secondary_exact = False
+        self.quantized_gather = False
+        self.exact = True  # ``full`` holds the exact parameters (not dequantized int8 ones)
+        self._keep_secondary = False
         if from_partitions and separate_local:
             self.reshard()
 
@@ -82,14 +91,41 @@ class FlatUnit:
         return self.full.dtype
 
     # --- parameter storage (stage 3) -----------------------------------------------------------
-    def unshard(self, stats: comm.CommStats | None = None, async_op: bool = False) -> None:
+    def use_zero_plus_plus(self, hpz: Block | None, quantized: bool) -> None:
+        """Stage 3 with ZeRO++: ``hpz``, the block of ranks sharing a secondary partition (the
+        node); ``quantized``, all-gather int8 block-quantized shards (qwZ)."""
+        self.hpz, self.quantized_gather = hpz, quantized
+
+    def invalidate_secondary(self) -> None:
+        """The shards changed (an optimizer step, a load, a write-back): the next gather is a
+        primary one, which refreshes the secondary partition."""
+        self.secondary_valid = False
+
+    def unshard(self, stats: comm.CommStats | None = None, async_op: bool = False, exact: bool = False) -> None:
         """Gather the whole unit into ``full``: start the all-gather when SHARDED (and wait for it
-        unless ``async_op``); when UNSHARDING, wait unless ``async_op``; when UNSHARDED, nothing."""
+        unless ``async_op``); when UNSHARDING, wait unless ``async_op``; when UNSHARDED, nothing.
+
+        With ZeRO++, from where: the node's secondary partition when it is up to date (hpZ: the
+        gather stays inside the node); else every rank's shard, int8-quantized with qwZ. ``exact``
+        (``GatheredParameters``: a user reads or writes the weights) gathers the shards as they are."""
+        if self.state is not ShardState.SHARDED and exact and not self.exact:
+            self.wait()
+            self.reshard()  # the dequantized weights a module computes with are not the weights
         if self.state is ShardState.SHARDED:
             self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
-            # offload_param: the partition comes from pinned host memory first (DeepSpeed's ZeRO-3 Offload).
-            self._gathering = comm.all_gather(self.full, self.local_on_device(), stats, async_op=async_op,
-                                              owner=self.name)
+            self._keep_secondary = False
+            if self.hpz is not None and self.secondary_valid and not exact:
+                self._gathering = comm.all_gather(self.full, self.secondary, stats, group=self.hpz.group,
+                                                  async_op=async_op, label="all_gather_secondary", owner=self.name)
+                self.exact = self.secondary_exact
+            elif self.quantized_gather and not exact:
+                self._gathering = _QuantizedGather(self, stats, async_op)
+                self.exact, self._keep_secondary = False, self.hpz is not None
+            else:
+                # offload_param: the partition comes from pinned host memory first (DeepSpeed's ZeRO-3 Offload).
+                self._gathering = comm.all_gather(self.full, self.local_on_device(), stats, async_op=async_op,
+                                                  owner=self.name)
+                self.exact, self._keep_secondary = True, self.hpz is not None and not exact
             self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait()
@@ -99,6 +135,18 @@ class FlatUnit:
         if self.state is ShardState.UNSHARDING:
             self._gathering.wait()
             self._gathering, self.state = None, ShardState.UNSHARDED
+            if self._keep_secondary and not self.secondary_valid:
+                self._fill_secondary()
+
+    def _fill_secondary(self) -> None:
+        """hpZ: keep this rank's ``1/hpz.size`` of what the primary all-gather brought, so the next
+        gathers (backward, and the forward of the step's next micro-batches: the shards do not
+        change until the step) are all-gathers inside the node from these copies."""
+        piece = self.layout.padded_numel // self.hpz.size
+        if self.secondary is None:
+            self.secondary = torch.empty(piece, dtype=self.full.dtype, device=self.full.device)
+        self.secondary.copy_(self.full[self.hpz.index * piece:(self.hpz.index + 1) * piece])
+        self.secondary_valid, self.secondary_exact = True, self.exact
 
     def reshard(self) -> None:
         """Drop the gathered parameters (UNSHARDED -> SHARDED; the per-parameter views stay valid
@@ -147,8 +195,38 @@ class FlatUnit:
         """Bytes this unit holds resident on this rank, by kind; ``offloaded``: a partition kept in
         host memory away from the device."""
         full_bytes = self.full.untyped_storage().nbytes()
+        if self.secondary is not None:
+            full_bytes += self.secondary.numel() * self.secondary.element_size()
         separate_local = self.local.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
         local_bytes = self.local.numel() * self.local.element_size() if separate_local else 0
         away = self.local.device != self.full.device
         return {"params": full_bytes + (0 if away else local_bytes), "grads": self.grad.numel() * self.grad.element_size(),
                 "offloaded": local_bytes if away else 0}
+
+
+class _QuantizedGather:
+    """qwZ's all-gather in flight: every rank's shard as int8 values and fp32 group scales
+    (DeepSpeed's ``CUDAQuantizer``), dequantized into the unit's ``full`` buffer on ``wait``.
+    A shard whose length is not a multiple of 8 is padded for the quantizer; the padding is
+    dropped again row by row."""
+
+    def __init__(self, unit: FlatUnit, stats: comm.CommStats | None, async_op: bool):
+        self.unit = unit
+        values, scales = quantize.quantize_weights(unit.local_on_device())
+        scales = scales.reshape(-1)
+        world = unit.layout.world_size
+        self.values = torch.empty(world * values.numel(), dtype=values.dtype, device=values.device)
+        self.scales = torch.empty(world * scales.numel(), dtype=scales.dtype, device=scales.device)
+        self.pending = [comm.all_gather(self.values, values, stats, async_op=async_op, label="all_gather_quantized",
+                                        owner=unit.name),
+                        comm.all_gather(self.scales, scales, stats, async_op=async_op, label="all_gather_quantized",
+                                        owner=unit.name + ".scales")]
+
+    def wait(self) -> None:
+        for pending in self.pending:
+            pending.wait()
+        unit, world = self.unit, self.unit.layout.world_size
+        shard = unit.layout.shard_numel
+        weights = quantize.dequantize_weights(self.values, self.scales, unit.dtype).view(world, -1)[:, :shard]
+        unit.full.view(world, shard).copy_(weights)
+

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from raydeep import comm
-from raydeep.zero import owners
+from raydeep.zero import owners, qgz
 from raydeep.zero.flat import FlatUnit, ShardState
+from raydeep.zero.hierarchy import ZeroPlusPlus
 from raydeep.zero.strategy import Stage2, StrategyLinks, _gather_all
 
 logger = logging.getLogger("raydeep")
@@ -43,13 +44,17 @@ class Stage3(Stage2):
     stage = 3
 
     def __init__(self, units: list[FlatUnit], reduce, stats, module_units: list[tuple[nn.Module, list[int]]],
-                 persistent: set[int], policy: PrefetchPolicy, links: StrategyLinks = StrategyLinks()):
+                 persistent: set[int], policy: PrefetchPolicy, links: StrategyLinks = StrategyLinks(),
+                 plus: ZeroPlusPlus = ZeroPlusPlus()):
         super().__init__(units, reduce, stats, links)
-        self.module_units, self.persistent, self.policy = module_units, persistent, policy
+        self.module_units, self.persistent, self.policy, self.plus = module_units, persistent, policy, plus
         for i, unit in enumerate(units):
             owners.register(unit.params, self)  # lets zero.GatheredParameters find the owner
             if i not in persistent:
                 unit.reshard()
+                # Persistent units are gathered once per step, exactly: ZeRO++ spares the per-module gathers.
+                trained = any(p.requires_grad for p in unit.params)
+                unit.use_zero_plus_plus(plus.hpz, plus.quantize_weights if trained else plus.quantize_frozen_weights)
         self.trace: list[int] = []
         self.trace_complete = False
         self.position = 0
@@ -164,13 +169,23 @@ class Stage3(Stage2):
             unit.reshard()  # its backward is done: every gradient of the unit has arrived
         return result
 
+    def _reduce_scatter(self, i: int, out: torch.Tensor, src: torch.Tensor) -> comm.Pending:
+        if self.plus.qgz is None or i in self.persistent:
+            return super()._reduce_scatter(i, out, src)
+        unit = self.units[i]
+        group = qgz.group_values([slot.shape for slot in unit.layout.slots], unit.layout.world_size)
+        qgz.reduce_scatter_sum(out, src, *self.plus.qgz, group, self.stats, owner=unit.name)
+        return comm.Pending(None, None, "quantized_reduce_scatter")  # done: synchronous
+
     def release_all(self) -> None:
         for i, unit in enumerate(self.units):
             if i not in self.persistent and unit.state is ShardState.UNSHARDED:
                 unit.reshard()  # a prefetch still in flight is left to finish
 
     def publish(self) -> None:
-        # Non-persistent units are gathered when their module next runs.
+        # Non-persistent units are gathered when their module next runs, from the new shards.
+        for unit in self.units:
+            unit.invalidate_secondary()
         _gather_all([self.units[i] for i in sorted(self.persistent)], self.stats)
 
     def gathered(self, params: list[nn.Parameter]):
@@ -185,7 +200,7 @@ class _Gathered:
 
     def __enter__(self):
         for i in self.indices:
-            self.strategy._gather(i, async_op=False)
+            self.strategy.units[i].unshard(self.strategy.stats, exact=True)  # never ZeRO++'s quantized weights
         return self
 
     def write_back(self, src_rank: int) -> None:
@@ -196,6 +211,7 @@ class _Gathered:
             comm.broadcast(unit.full, src_rank, self.strategy.stats, owner=unit.name)
             lo, hi = unit.layout.shard_range(unit.rank)
             unit.local.copy_(unit.full[lo:hi])
+            unit.invalidate_secondary()
         self.strategy.links.masters_changed(self.indices)
 
     def __exit__(self, *exc):

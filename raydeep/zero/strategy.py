@@ -308,12 +308,16 @@ class Stage2(ZeroStrategy):
         src = self._comm_input(unit.flat_grads(self.reduce.comm_dtype, out=buffer[:unit.layout.padded_numel]))
         unit.drop_param_grads()  # the full gradient is not kept: that is stage 2's saving
         out = torch.empty(unit.layout.shard_numel, dtype=src.dtype, device=src.device)
-        pending = comm.reduce_scatter(out, src, self.stats, async_op=self._async_launch, owner=unit.name)
+        pending = self._reduce_scatter(i, out, src)
 
         def finish():
             unit.grad.add_(out.to(unit.grad.dtype), alpha=self.reduce.post_factor)
             self._spare.append(buffer)
         return pending, finish
+
+    def _reduce_scatter(self, i: int, out: torch.Tensor, src: torch.Tensor) -> comm.Pending:
+        """Sum ``src`` (unit ``i``'s flat gradients) over the ranks into this rank's chunk ``out``."""
+        return comm.reduce_scatter(out, src, self.stats, async_op=self._async_launch, owner=self.units[i].name)
 
     def publish(self) -> None:
         _gather_all(self.units, self.stats)

@@ -261,14 +261,25 @@ def test_harmless_unimplemented_keys_warn():
 
 
 @pytest.mark.parametrize("zero, key", [
-    ({"stage": 3, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
-    ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_optimization.zero_hpz_partition_size"),
+    ({"stage": 3, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}, "zero_optimization.zeropp_loco_param"),
     ({"stage": 3, "mics_shard_size": 8}, "zero_optimization.mics_shard_size"),
     ({"stage": 3, "mics_shard_size": -1}, "zero_optimization.mics_shard_size"),  # 0.19.8 removed the key
 ])
-def test_zeropp_and_mics_not_supported(zero, key):
+def test_loco_and_mics_not_supported(zero, key):
     err = error_of({**BASE, "zero_optimization": zero})
     assert err.key == key and "not supported by raydeep" in str(err)
+
+
+ZERO_PP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 8, "zero_quantized_gradients": True,
+           "zero_quantized_nontrainable_weights": True}
+
+
+def test_zeropp_keys_load_at_stage_3_and_warn_below():
+    cfg = load({**BASE, "zero_optimization": {"stage": 3, **ZERO_PP}})
+    assert not [w for w in cfg.warnings if "zero_q" in w or "hpz" in w]
+    assert cfg.zero_optimization.zero_hpz_partition_size == 8 and cfg.zero_optimization.zero_quantized_gradients
+    cfg = load({**BASE, "zero_optimization": {"stage": 2, **ZERO_PP}})
+    assert any("has no effect at ZeRO stage 2" in w and "ZeRO++" in w for w in cfg.warnings), cfg.warnings
 
 
 @pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
@@ -406,7 +417,7 @@ def test_cross_field_rules(extra, key, text):
 
 def test_several_problems_are_reported_together():
     with pytest.raises(ConfigErrors) as info:
-        load({"fp16": {"enabled": True}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+        load({"fp16": {"enabled": True}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "mics_shard_size": 8}})
     assert len(info.value.errors) == 2
 
 
