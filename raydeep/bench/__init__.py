@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     bench.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
                        help="raydeep's overlap_comm at stages 1-3: default is DeepSpeed's (off at 1-2, on at 3), "
                        "as DeepSpeed's rows run; both: a row each, and the blocked time hidden")
+    bench.add_argument("--zeropp", type=int, default=0, metavar="RANKS_PER_NODE",
+                       help="add ZeRO++ rows at stage 3 (hpZ, qwZ, qgZ and all three), the ranks declared as nodes "
+                       "of this many (LOCAL_WORLD_SIZE); 0: none")
     bench.add_argument("--no-deepspeed", dest="deepspeed", action="store_false", help="leave DeepSpeed out")
     bench.add_argument("--out", default="bench", help="directory for bench.json, bench.md and bench.png")
     bench.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the ranks")
@@ -43,6 +46,9 @@ def main(args: argparse.Namespace) -> int:
     from raydeep.bench.run import run
     from raydeep.errors import InputError
 
+    if args.zeropp and (args.zeropp < 1 or args.world % args.zeropp):
+        raise InputError("--zeropp", f"must divide --world {args.world}", value=args.zeropp,
+                         fix="pass the ranks per node, e.g. --world 4 --zeropp 2")
     if args.steps < 1 or args.warmup < 0 or args.world < 1:
         raise InputError("--steps/--warmup/--world", "must be >= 1, >= 0 and >= 1",
                          value=(args.steps, args.warmup, args.world), fix="pass positive counts")

@@ -94,11 +94,11 @@ def _engine_step(engine) -> Callable[[list], float]:
     return step
 
 
-def raydeep_contender(model, cfg: dict, stage: int, overlap: bool | None) -> Contender:
+def raydeep_contender(model, cfg: dict, stage: int, overlap: bool | None, variant: str = "") -> Contender:
     import raydeep
 
     engine, *_ = raydeep.initialize(model=model, config=cfg)
-    suffix = "" if overlap is None else (" overlap" if overlap else "")
+    suffix = (" overlap" if overlap else "") + (f" {variant}" if variant else "")
     return Contender(f"raydeep z{stage}{suffix}", "raydeep", stage, _engine_step(engine), lambda: model_state_bytes(engine),
                      lambda: sum(op["bytes"] for op in engine.comm_stats().values()),
                      lambda: sum(op["blocked_s"] for op in engine.comm_stats().values()), engine)

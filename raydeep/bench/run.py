@@ -26,12 +26,20 @@ from raydeep.bench.ranks import on_gloo_ranks, on_ray_ranks
 PEER_OF_STAGE = {0: "DDP", 1: "torch ZeRO-1", 2: "FSDP2 grad-op", 3: "FSDP2"}
 
 
+def zeropp_variants(ranks_per_node: int) -> dict[str, dict]:
+    """The ZeRO++ rows (``--zeropp``): each part alone and all three, as ``zero_optimization`` keys."""
+    parts = {"hpZ": {"zero_hpz_partition_size": ranks_per_node}, "qwZ": {"zero_quantized_weights": True},
+             "qgZ": {"zero_quantized_gradients": True}}
+    return {**parts, "ZeRO++": {k: v for part in parts.values() for k, v in part.items()}}
+
+
 def plan(opts) -> list[tuple]:
-    """(family, stage, overlap) for every contender, in building order."""
-    runs = [("raydeep", 0, None)] + [("raydeep", s, o) for s in (1, 2, 3) for o in opts.overlap]
-    runs += [("ddp", 0, None), ("torch-zero", 1, None), ("fsdp2", 2, None), ("fsdp2", 3, None)]
+    """(family, stage, overlap, ZeRO++ variant) for every contender, in building order."""
+    runs = [("raydeep", 0, None, "")] + [("raydeep", s, o, "") for s in (1, 2, 3) for o in opts.overlap]
+    runs += [("raydeep", 3, None, v) for v in (zeropp_variants(opts.zeropp) if getattr(opts, "zeropp", 0) else ())]
+    runs += [("ddp", 0, None, ""), ("torch-zero", 1, None, ""), ("fsdp2", 2, None, ""), ("fsdp2", 3, None, "")]
     if opts.deepspeed:
-        runs += [("deepspeed", s, None) for s in range(4)]
+        runs += [("deepspeed", s, None, "") for s in range(4)]
     return runs
 
 
@@ -43,12 +51,14 @@ def build_model(opts):
     return build_gpt(opts.model, block_size=opts.seq, **overrides)
 
 
-def build(opts, family: str, stage: int, overlap) -> engines.Contender:
+def build(opts, family: str, stage: int, overlap, variant: str = "") -> engines.Contender:
     model, world = build_model(opts), torch.distributed.get_world_size()
     cfg = engines.ds_config(opts.micro_batch, opts.gas, stage, opts.bucket, overlap, deepspeed=family == "deepspeed",
                             dtype=opts.dtype, lr=opts.lr)
     if family == "raydeep":
-        return engines.raydeep_contender(model, cfg, stage, overlap)
+        if variant:
+            cfg["zero_optimization"].update(zeropp_variants(opts.zeropp)[variant])
+        return engines.raydeep_contender(model, cfg, stage, overlap, variant)
     if family == "deepspeed":
         return engines.deepspeed_contender(model, cfg, stage)
     if family in ("ddp", "torch-zero"):
@@ -79,6 +89,8 @@ def measure(opts) -> dict:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if getattr(opts, "zeropp", 0):
+        os.environ["LOCAL_WORLD_SIZE"] = str(opts.zeropp)  # the declared nodes ZeRO++'s groups follow
     contenders = [build(opts, *run) for run in plan(opts)]
     vocab = build_model(opts).config.vocab_size
     data = batches(opts.micro_batch, opts.gas, opts.seq, rank, world, opts.warmup + opts.steps, vocab)
@@ -137,7 +149,7 @@ def summarize(opts, per_rank: list[dict], expected: dict) -> dict:
     first = per_rank[0]
     rows = []
     for i, name in enumerate(first["names"]):
-        family, stage, overlap = plan(opts)[i]
+        family, stage, overlap, variant = plan(opts)[i]
         steps = [max(r["times"][i][s] for r in per_rank) for s in range(opts.steps)]  # the slowest rank's
         q1, _, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else (steps[0],) * 3
         states = [r["state_bytes"][i] for r in per_rank]
@@ -147,7 +159,8 @@ def summarize(opts, per_rank: list[dict], expected: dict) -> dict:
                      "losses": first["losses"][i], "state_bytes": states if None not in states else None,
                      "state_bytes_formula": expected["state_bytes"][stage],
                      "comm_bytes_per_step": comm, "blocked_comm_s": _slowest(r["blocked_s_per_step"][i] for r in per_rank),
-                     "comm_bytes_predicted": expected["comm_bytes_per_step"][stage] if comm is not None else None})
+                     "comm_bytes_predicted": expected["comm_bytes_per_step"][stage]
+                     if comm is not None and not variant else None})
     by_name = {r["name"]: r for r in rows}
     reference = by_name["raydeep z0"]["losses"]
     deepspeed = {r["stage"]: r["median_s"] for r in rows if r["family"] == "deepspeed"}

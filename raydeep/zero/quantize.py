@@ -99,7 +99,9 @@ def _symmetric_dequantize(q: Tensor, stored: Tensor) -> Tensor:
 
 def _pack_int4(q: Tensor) -> Tensor:
     """Two int4 values a byte, the first in the high nibble (quantization_utils.h ``_chunk``)."""
-    first, second = q[..., 0::2].to(torch.int32), q[..., 1::2].to(torch.int32)
+    # unbind, not q[..., 0::2]: the slice makes a host-side index that a CUDA tensor under
+    # FakeTensorMode (the device-discipline tests) cannot take
+    first, second = q.to(torch.int32).unflatten(-1, (-1, 2)).unbind(-1)
     byte = ((first & 0xF) << 4) | (second & 0xF)
     return byte.to(torch.uint8).view(torch.int8)
 
@@ -289,8 +291,8 @@ def quantized_reduction(values: Tensor, scales: Tensor, in_groups: int, out_grou
                          f"exceed the kernel's {MAX_REDUCE_GROUP_BYTES}")
     q = _unpack_int4(values.reshape(dpn, in_groups_per_tensor, -1))
     pieces = _symmetric_dequantize(q, scales.reshape(dpn, in_groups_per_tensor, 1)).reshape(dpn, -1)
-    acc = torch.zeros_like(pieces[0])  # reduce::init<rop::Add, __half2>() is +0
-    for piece in pieces:
+    acc = pieces.new_zeros(pieces.shape[1:])  # reduce::init<rop::Add, __half2>() is +0
+    for piece in pieces.unbind(0):
         acc = _fp16_add(acc, piece)
     q_out, stored = _symmetric_quantize(acc.view(out_groups, -1), GRADIENT_BITS)
     out_shape = tuple(values.shape[:-1]) + (values.shape[-1] // dpn,)
@@ -434,8 +436,9 @@ def sum_node_chunks(values: Tensor, scales: Tensor, nodes: int) -> Tensor:
     full = dequantize_int4(values, scales, scales.numel()).reshape(-1)
     if full.numel() % nodes != 0:
         raise ValueError(f"{full.numel()} values do not split into {nodes} node chunks")
-    acc = torch.zeros_like(full[: full.numel() // nodes])  # Python's sum() starts from 0
-    for piece in full.chunk(nodes):
+    chunks = full.view(nodes, -1).unbind(0)  # (not slices: the device-discipline tests' fake CUDA takes these)
+    acc = torch.zeros_like(chunks[0])  # Python's sum() starts from 0
+    for piece in chunks:
         acc = _fp16_add(acc, piece)
     return acc
 

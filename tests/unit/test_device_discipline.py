@@ -116,3 +116,20 @@ def test_staged_pieces_are_copies_in_order():
     staged = packed.tensors()["fp32"]
     a.add_(100)  # a later update does not reach the file
     assert staged.tolist() == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0]
+
+
+def test_zeropp_quantizers_keep_everything_on_the_device(fake_cuda):
+    """qwZ and qgZ run as torch ops on the tensors' own device: no host round trip, no CPU scale."""
+    from raydeep.zero import quantize
+
+    with fake_cuda:
+        shard = torch.empty(4096, device="cuda", dtype=torch.bfloat16)
+        values, scales = quantize.quantize_weights(shard)
+        weights = quantize.dequantize_weights(values, scales, torch.bfloat16)
+        grads = torch.empty(4 * 8 * 64, device="cuda", dtype=torch.bfloat16)
+        packed, gscales = quantize.swizzle_quant(grads, 32, nodes=2, devices_per_node=2)
+        reduced, rscales = quantize.quantized_reduction(packed, gscales, 32, 16, devices_per_node=2)
+        summed = quantize.sum_node_chunks(reduced, rscales, nodes=2)
+    for t in (values, scales, weights, packed, gscales, reduced, rscales, summed):
+        assert t.device.type == "cuda", t
+    assert values.dtype == torch.int8 and weights.dtype == torch.bfloat16 and summed.dtype == torch.float16
