@@ -51,6 +51,16 @@ def _parse_count(text: str) -> int:
     return int(value)
 
 
+def _parse_positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number, e.g. 3e11")
+    return value
+
+
 def _estimate(args: argparse.Namespace) -> int:
     from raydeep.estimate import estimate_model_states
 
@@ -75,10 +85,36 @@ def _doctor(args: argparse.Namespace) -> int:
     cluster = Cluster(world_size=world, gpus_per_node=gpus_per_node,
                       device_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
                       host_memory=parse_bytes(args.cpu_memory) if args.cpu_memory else None)
+    links, codec_rates = _network_rates(args, gpus_per_node)
     report = diagnose(args.config, shape, cluster, overrides=args.set, on_device=not args.cpu,
-                      offload_rates=_offload_rates(args))
+                      offload_rates=_offload_rates(args), links=links, codec_rates=codec_rates)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return report.exit_code
+
+
+def _network_rates(args: argparse.Namespace, gpus_per_node: int):
+    """The links and (de)quantization rates of the communication-time model: nothing without
+    ``--bandwidth``; the codecs measured on this machine unless ``--quantize-rate`` gives them."""
+    from raydeep.errors import InputError
+
+    if args.bandwidth is None:
+        for flag, value in (("--intra-node-bandwidth", args.intra_node_bandwidth), ("--quantize-rate", args.quantize_rate)):
+            if value is not None:
+                raise InputError(flag, "only the communication-time model reads it, and it runs with --bandwidth",
+                                 value=value, fix="add --bandwidth, e.g. --bandwidth 25Gbps")
+        return None, None
+    from raydeep.doctor.network import DEFAULT_INTRA_NODE, CodecRates, Links, bandwidth_per_rank, measure_codec_rates
+
+    speeds = []
+    for flag, text in (("--bandwidth", args.bandwidth), ("--intra-node-bandwidth", args.intra_node_bandwidth or DEFAULT_INTRA_NODE)):
+        try:
+            speeds.append(bandwidth_per_rank(text, gpus_per_node))
+        except ValueError:
+            raise InputError(flag, "is not a bandwidth", value=text,
+                             fix="write bits per second as 25Gbps (or 25Gb/s) or bytes per second as 600GB (or "
+                                 "600GB/s); add /node for a node's links shared by its GPUs, e.g. 100Gbps/node") from None
+    rates = CodecRates.given(args.quantize_rate) if args.quantize_rate else measure_codec_rates()
+    return Links(*speeds), rates
 
 
 def _offload_rates(args: argparse.Namespace):
@@ -238,6 +274,15 @@ def _add_doctor_parser(sub) -> None:
                               "the network's for offload actors")
     offload.add_argument("--device-tflops", type=float, help="the device's dense peak, to estimate forward and "
                          "backward (e.g. 989 for an H100's bf16)")
+    network = doctor.add_argument_group("communication time (with --bandwidth): plain ZeRO-3 against ZeRO++, the "
+                                        "all-reduce against 1-bit Adam / 0/1 Adam, and which to use")
+    network.add_argument("--bandwidth", metavar="RATE", help="network bandwidth between nodes per rank, each way: "
+                         "25Gbps (bits) or 3GB (bytes per second); 100Gbps/node for a node's NICs shared by its GPUs")
+    network.add_argument("--intra-node-bandwidth", metavar="RATE", help="per rank inside a node, each way (default "
+                         "300GB: NVLink 3; an H100's NVLink 4 is 450GB)")
+    network.add_argument("--quantize-rate", type=_parse_positive, metavar="ELEMS_PER_S",
+                         help="elements per second of one quantize or dequantize pass on the training device (qwZ, "
+                              "qgZ, 1-bit); default: measured on this machine (its GPU, else its CPU: far slower)")
     doctor.set_defaults(func=_doctor)
 
 

@@ -2,7 +2,8 @@
 
 :func:`diagnose` validates the ds_config for the world size, estimates per-rank device memory
 item by item (:mod:`raydeep.doctor.memory`) and host memory for offload, predicts the bytes
-communicated per step (:mod:`raydeep.doctor.traffic`), says whether it fits and, if not, the
+communicated per step (:mod:`raydeep.doctor.traffic`) and, given the network's bandwidth, how long
+they take and whether ZeRO++ or 1-bit Adam would pay (:mod:`raydeep.doctor.network`), says whether it fits and, if not, the
 cheapest changes that make it fit (:mod:`raydeep.doctor.fit`), and runs the lint rules
 (:mod:`raydeep.doctor.lint`). A config that cannot be loaded is itself a finding; when only the
 batch size is missing (DeepSpeed's "Either train_batch_size or train_micro_batch_size_per_gpu
@@ -24,6 +25,7 @@ from raydeep.config.loading import apply_overrides
 from raydeep.config.model import BATCH_KEYS
 from raydeep.doctor.fit import Change, changes_that_fit
 from raydeep.doctor.memory import CHECKPOINTING, MemoryPlan, plan_memory
+from raydeep.doctor.network import CodecRates, Links, NetworkPlan, plan_network
 from raydeep.doctor.offload import OffloadRates, OffloadTime, predict_offload
 from raydeep.doctor.shape import Cluster, Finding, ModelShape
 from raydeep.doctor.traffic import Traffic, predict_traffic
@@ -43,6 +45,7 @@ class DoctorReport:
     memory: MemoryPlan | None = None
     traffic: Traffic | None = None
     offload: OffloadTime | None = None
+    network: NetworkPlan | None = None
     fixes: list[Change] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)
 
@@ -56,7 +59,10 @@ class DoctorReport:
         return {"config": self.source, "model": {k: v for k, v in vars(self.shape).items() if k != "tensors"},
                 "cluster": {**vars(self.cluster), "nodes": self.cluster.nodes}, "assumed": self.assumed,
                 "memory": self.memory.as_dict() if self.memory else None,
-                "traffic": {"by_op": self.traffic.by_op, "ring_bytes": self.traffic.ring_bytes} if self.traffic else None,
+                "traffic": {"by_op": self.traffic.by_op, "ring_bytes": self.traffic.ring_bytes,
+                            "cross_node_bytes": self.traffic.cross_node_bytes,
+                            "intra_node_bytes": self.traffic.intra_node_bytes} if self.traffic else None,
+                "network": self.network.as_dict() if self.network else None,
                 "offload": ({**vars(self.offload), "hidden_by_delay": self.offload.hidden_by_delay}
                             if self.offload else None),
                 "fixes": [c.as_dict() for c in self.fixes], "findings": [f.as_dict() for f in self.findings],
@@ -64,9 +70,12 @@ class DoctorReport:
 
 
 def diagnose(config, shape: ModelShape, cluster: Cluster, overrides=None, on_device: bool = True,
-             offload_rates: OffloadRates | None = None) -> DoctorReport:
+             offload_rates: OffloadRates | None = None, links: Links | None = None,
+             codec_rates: CodecRates | None = None) -> DoctorReport:
     """Everything ``raydeep doctor`` prints, as data (see the module docstring). With
-    ``offload_rates``, also what optimizer offload adds to the step (:mod:`raydeep.doctor.offload`)."""
+    ``offload_rates``, also what optimizer offload adds to the step (:mod:`raydeep.doctor.offload`);
+    with ``links`` and ``codec_rates``, the step's communication time and the ZeRO++ / 1-bit
+    verdict (:mod:`raydeep.doctor.network`)."""
     source = config if isinstance(config, str) else "<dict>"
     report = DoctorReport(source, shape, cluster)
     try:
@@ -80,7 +89,9 @@ def diagnose(config, shape: ModelShape, cluster: Cluster, overrides=None, on_dev
     report.config = cfg
     report.memory = plan_memory(cfg, shape, cluster.device_memory, cluster.host_memory, cluster.gpus_per_node,
                                 on_device=on_device)
-    report.traffic = predict_traffic(cfg, shape)
+    report.traffic = predict_traffic(cfg, shape, cluster.gpus_per_node)
+    if links is not None and codec_rates is not None:
+        report.network = plan_network(cfg, shape, cluster, links, codec_rates)
     if offload_rates is not None:
         report.offload = predict_offload(cfg, shape, cluster.world_size, offload_rates)
     if report.memory.fits is False:
@@ -167,7 +178,10 @@ def format_report(report: DoctorReport) -> str:
     if report.traffic is not None:
         t = report.traffic
         ops = ", ".join(f"{op} {b / GB:.3f} GB" for op, b in t.by_op.items()) or "none (one rank)"
-        lines.append(f"communication per step and rank: {ops}; sent over a ring: {t.ring_bytes / GB:.3f} GB")
+        lines.append(f"communication per step and rank: {ops}; sent over a ring: {t.ring_bytes / GB:.3f} GB"
+                     + (f" ({t.cross_node_bytes / GB:.3f} GB of it the rank's share across nodes)" if c.nodes > 1 else ""))
+    if report.network is not None:
+        lines.append(report.network.describe())
     if report.offload is not None:
         lines.append(report.offload.describe())
     if report.memory is not None and report.memory.fits is not None:

@@ -224,6 +224,11 @@ def plan_memory(cfg: RaydeepConfig, shape: ModelShape, device_memory: int | None
                       if precision != "fp32" else "the fp32 weights are the master"),
             MemoryRow("optimizer_states", est.optimizer_states, "Adam momentum + variance (fp32)"
                       + (", 1/N" if stage >= 1 else "") + (" -- offloaded" if offload_opt else ""))]
+    hpz = zero.zero_hpz_partition_size
+    if stage == 3 and 1 < hpz < n:  # ZeRO++ hpZ: each rank keeps 1/hpz of every gathered unit
+        rows.append(MemoryRow("hpZ secondary partition", e * -(-partitioned // hpz),
+                              f"1/{hpz} of the partitioned weights (zero_hpz_partition_size), kept from each step's "
+                              "first gather so later gathers stay in the node"))
     model_states = sum(r.bytes for r in rows)
     formula = _formula_text(stage, n, precision, offload_opt, persistent)
 

@@ -1,9 +1,9 @@
 """Communication per optimizer step, predicted from the config and the model's shape.
 
 Bytes are counted as ``raydeep.comm.CommStats`` counts them (the all-reduced tensor, the
-reduce-scatter input, the all-gather output), so a prediction can be checked against
-``engine.comm_stats()``; ``ring_bytes`` is what each rank sends over a ring: ``2(N-1)/N`` of an
-all-reduce, ``(N-1)/N`` of a reduce-scatter or all-gather.
+reduce-scatter input, the all-gather output, the all-to-all input), so a prediction can be checked
+against ``engine.comm_stats()``; ``ring_bytes`` is what each rank sends: ``2(N-1)/N`` of an
+all-reduce, ``(N-1)/N`` of a reduce-scatter or all-gather over a ring, ``(N-1)/N`` of an all-to-all.
 
 Per optimizer step of ``G`` micro-steps, Psi elements of communication dtype:
 
@@ -16,6 +16,28 @@ Per optimizer step of ``G`` micro-steps, Psi elements of communication dtype:
   unit, used last in forward and first in backward), and reduce-scatters the gradients (Psi); the
   persistent parameters are re-gathered after the step.
 
+ZeRO++ at stage 3 (the engine's ``raydeep.zero.hierarchy``) changes where those bytes go:
+
+* hpZ (``zero_hpz_partition_size`` H > 1): the first gather of a unit after an optimizer step is a
+  primary one over every rank and leaves each rank ``1/H`` of the unit; every later gather until the
+  next step (backward, and the forward and backward of the step's later micro-batches: the shards
+  change only at the step) is an all-gather inside the block of H ranks (``all_gather_secondary``);
+* qwZ (``zero_quantized_weights``): primary gathers move int8 values plus one fp32 scale per group
+  of about 4k-8k values (``raydeep.zero.quantize.weight_groups``, DeepSpeed's ``CUDAQuantizer``):
+  about half the bytes of fp16 weights (``all_gather_quantized``);
+* qgZ (``zero_quantized_gradients``): DeepSpeed's hierarchical all-to-all: int4 values plus fp32
+  scales to the node's ranks first, then each rank's 1/L of the node's partial sums to the same
+  local index on every node (both counted as ``quantized_reduce_scatter``, as the engine counts
+  them; ``links_by_op`` keeps the ``/local`` and ``/global`` phases apart): across nodes about a
+  quarter of an fp16 reduce-scatter. Vectors (biases, norms) keep the plain
+  reduce-scatter, as DeepSpeed sends 1-D tensors.
+
+Where bytes go (``gpus_per_node`` L ranks on each node, ranks numbered node-major): over a ring of
+ranks spanning nodes, each node sends one rank's ring volume to the next node, so a rank's share of
+what crosses between nodes is ``ring / L`` (``cross_node_bytes``) and the rest stays in the node
+(``intra_node_bytes``); an all-to-all sends each peer its slice directly. Those two are what
+:mod:`raydeep.doctor.network` divides by the network's and the node's bandwidth.
+
 >>> from raydeep.config import load_config
 >>> from raydeep.doctor.shape import ModelShape
 >>> cfg = load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
@@ -23,50 +45,201 @@ Per optimizer step of ``G`` micro-steps, Psi elements of communication dtype:
 >>> t = predict_traffic(cfg, ModelShape.from_counts(10**6, 2, 64, 16, 100))
 >>> t.by_op["reduce_scatter"], t.by_op["all_gather"]
 (8000000, 4000000)
+>>> t = predict_traffic(cfg, ModelShape.from_counts(10**6, 2, 64, 16, 100), gpus_per_node=2)
+>>> t.cross_node_bytes, t.intra_node_bytes, t.cross_node_bytes + t.intra_node_bytes == t.ring_bytes
+(4500000, 4500000, True)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raydeep.config.model import RaydeepConfig
 from raydeep.doctor.stage3 import kept_between_passes, persistent_params
 from raydeep.doctor.shape import ModelShape
 from raydeep.estimate import PRECISION_BYTES
 
+SCALE_BYTES = 4  # every quantizer here (qwZ, qgZ, 1-bit) sends its scales as fp32
 
 
 @dataclass(frozen=True)
 class Traffic:
     by_op: dict[str, int]  # logical bytes per step, as CommStats counts them
-    ring_bytes: int  # bytes each rank sends per step over a ring
+    ring_bytes: int  # bytes each rank sends per step
+    intra_node_bytes: int = 0  # of ring_bytes: the rank's share that stays inside its node
+    cross_node_bytes: int = 0  # of ring_bytes: the rank's share of what its node sends to other nodes
+    # elements each rank quantizes or dequantizes per step, by codec ("int8", "int4", "1bit"):
+    # what the (de)quantization compute costs, one pass over one element each
+    codec_passes: dict[str, int] = field(default_factory=dict)
+    # per op: (intra-node, cross-node) bytes of this rank's sends, the split of ring_bytes
+    links_by_op: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
 
 
-def predict_traffic(cfg: RaydeepConfig, shape: ModelShape) -> Traffic:
-    """Bytes per optimizer step on each rank (see the module docstring)."""
+class _Ledger:
+    """Bytes per op label (as CommStats counts them) and where each rank's sends go."""
+
+    def __init__(self, world: int, per_node: int):
+        self.world, self.per_node = world, per_node
+        self.by_op: dict[str, int] = {}
+        self.ring = self.intra = self.cross = 0
+        self.passes: dict[str, int] = {}
+        self.links: dict[str, tuple[int, int]] = {}
+
+    def _add(self, label: str, logical: int, sent: int, cross: int, phase: str = "") -> None:
+        if logical <= 0:
+            return
+        self.by_op[label] = self.by_op.get(label, 0) + logical
+        key = f"{label}/{phase}" if phase else label  # phases of one op run one after the other
+        intra, crossing = self.links.get(key, (0, 0))
+        self.links[key] = (intra + sent - cross, crossing + cross)
+        self.ring += sent
+        self.cross += cross
+        self.intra += sent - cross
+
+    def ring_op(self, label: str, logical: float, group: int | None = None, times: int = 1) -> None:
+        """A ring collective over ``group`` consecutive ranks (the world by default): an all-gather
+        or reduce-scatter sends ``(g-1)/g`` of ``logical``, an all-reduce twice that."""
+        g = group or self.world
+        logical = int(logical)
+        sent = int(times * (g - 1) / g * logical)
+        local = min(g, self.per_node)
+        cross = sent // local if g > local else 0  # one ring link per node crosses to the next
+        self._add(label, logical, sent, cross)
+
+    def all_to_all(self, label: str, logical: float, group: int, local: int, phase: str = "") -> None:
+        """An all-to-all over ``group`` ranks of which ``local`` share this rank's node: each peer
+        gets ``1/group`` of ``logical`` directly."""
+        logical = int(logical)
+        sent = int((group - 1) / group * logical)
+        cross = int((group - local) / group * logical)
+        self._add(label, logical, sent, cross, phase)
+
+    def codec(self, kind: str, elements: float) -> None:
+        if elements > 0:
+            self.passes[kind] = self.passes.get(kind, 0) + int(elements)
+
+    def traffic(self) -> Traffic:
+        return Traffic(self.by_op, self.ring, self.intra, self.cross, self.passes, self.links)
+
+
+def predict_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_node: int | None = None) -> Traffic:
+    """Bytes per optimizer step on each rank (see the module docstring); ``gpus_per_node``: ranks
+    per node (default: every rank on one node, so nothing crosses between nodes)."""
     zero, n, gas = cfg.zero_optimization, cfg.world_size, cfg.gradient_accumulation_steps
     weights = PRECISION_BYTES[cfg.precision]
     grads = PRECISION_BYTES[cfg.communication_data_type or cfg.precision]
     psi = shape.params
     if n == 1:
         return Traffic({}, 0)
-    ops: dict[str, int] = {}
+    ledger = _Ledger(n, max(1, min(gpus_per_node or n, n)))
     if zero.stage == 0:
-        ops["all_reduce"] = grads * psi
+        ledger.ring_op("all_reduce", grads * psi, times=2)
     elif zero.stage in (1, 2):
-        ops["reduce_scatter"] = grads * psi * (gas if zero.stage == 2 else 1)
-        ops["all_gather"] = weights * psi
+        ledger.ring_op("reduce_scatter", grads * psi * (gas if zero.stage == 2 else 1))
+        ledger.ring_op("all_gather", weights * psi)
     else:
-        persistent = persistent_params(cfg, shape)
-        partitioned = psi - persistent
-        kept = kept_between_passes(cfg, shape)
-        root = max(0, partitioned - shape.layers * shape.block_params)
-        backward = max(0, partitioned - root - kept * shape.block_params)
-        ops["all_gather"] = weights * (gas * (partitioned + backward) + persistent)
-        ops["reduce_scatter"] = grads * psi * gas
-    share = (n - 1) / n
-    ring = sum(int((2 * share if op == "all_reduce" else share) * b) for op, b in ops.items())
-    return Traffic(ops, ring)
+        _stage3(ledger, cfg, shape, weights, grads)
+    return ledger.traffic()
+
+
+def _stage3(ledger: _Ledger, cfg: RaydeepConfig, shape: ModelShape, weights: int, grads: int) -> None:
+    zero, n, gas, psi = cfg.zero_optimization, cfg.world_size, cfg.gradient_accumulation_steps, shape.params
+    persistent = persistent_params(cfg, shape)
+    partitioned = psi - persistent
+    kept = kept_between_passes(cfg, shape)
+    root = max(0, partitioned - shape.layers * shape.block_params)
+    backward = max(0, partitioned - root - kept * shape.block_params)
+    gathered = gas * (partitioned + backward)  # elements gathered per step, every pass
+    hpz = zero.zero_hpz_partition_size if 1 < zero.zero_hpz_partition_size <= n else 0
+    primary = min(partitioned, gathered) if hpz else gathered  # hpZ: only the step's first gather
+    if hpz:
+        ledger.ring_op("all_gather_secondary", weights * (gathered - primary), group=hpz)
+    if zero.zero_quantized_weights:
+        ledger.ring_op("all_gather_quantized", primary * quantized_weight_bytes(shape.block_params, n))
+        ledger.codec("int8", primary * (1 + 1 / n))  # quantize the shard, dequantize the whole unit
+    else:
+        ledger.ring_op("all_gather", weights * primary)
+    ledger.ring_op("all_gather", weights * persistent)  # re-gathered exactly after the step
+    if zero.zero_quantized_gradients:
+        vectors = min(psi, vector_params(shape))
+        ledger.ring_op("reduce_scatter", grads * vectors * gas)
+        _qgz(ledger, (psi - vectors) * gas, gas, shape.hidden)
+    else:
+        ledger.ring_op("reduce_scatter", grads * psi * gas)
+
+
+def _qgz(ledger: _Ledger, elements: int, gas: int, hidden: int) -> None:
+    """DeepSpeed's ``all_to_all_quant_reduce`` for ``elements`` gradient values per step: groups
+    of ``max(rows, cols, world)`` per 2-D gradient, about ``hidden`` values each for a transformer."""
+    n, per_node = ledger.world, ledger.per_node
+    nodes = max(1, n // per_node)
+    groups = max(elements / max(1, hidden), gas * n)
+    message = elements / 2 + SCALE_BYTES * groups
+    ledger.all_to_all("quantized_reduce_scatter", message, per_node, per_node, phase="local")
+    ledger.all_to_all("quantized_reduce_scatter", message / per_node, nodes, 1, phase="global")
+    # quantize, dequantize the node's pieces and re-quantize the sum, dequantize the nodes' pieces
+    ledger.codec("int4", 2 * elements * (1 + 1 / per_node))
+
+
+def quantized_weight_bytes(unit: int, world: int) -> float:
+    """Bytes per weight qwZ gathers for a unit of ``unit`` elements: int8 values and an fp32 scale
+    per group of the rank's shard (padded to a multiple of 8, as the engine pads it). The adaptive
+    grouping looks for a group count that splits the shard evenly, so an awkward shard size gets
+    small groups and more scales: a 175B block's shard over 512 ranks, groups of 168 values;
+    2**20 values, groups of 4096.
+
+    >>> round(quantized_weight_bytes(1_812_099_072, 512), 5), quantized_weight_bytes(2**20 * 512, 512)
+    (1.02381, 1.0009765625)
+    """
+    shard = max(1, -(-unit // world))
+    padded = -(-shard // 8) * 8
+    return (padded + SCALE_BYTES * _weight_groups(padded)) / shard
+
+
+def _weight_groups(numel: int) -> int:
+    """The engine's group count (DeepSpeed's ``CUDAQuantizer`` rule); its arithmetic alone where a
+    size has no valid grouping (the engine would then refuse that unit)."""
+    try:
+        from raydeep.zero.quantize import weight_groups
+    except ImportError:  # the engine's quantizer is not there: DeepSpeed's target of 8000 values
+        return -(-numel // 8000)
+    try:
+        return weight_groups(numel)
+    except ValueError:
+        return -(-numel // 8000)
+
+
+def vector_params(shape: ModelShape) -> int:
+    """The 1-D parameters (biases, norms) of a GPT-like model: qgZ leaves them to the plain
+    reduce-scatter, as DeepSpeed's ``all_to_all_quant_reduce`` does."""
+    return shape.layers * 13 * shape.hidden + 2 * shape.hidden
+
+
+def predict_compressed_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_node: int | None = None) -> Traffic:
+    """1-bit Adam / 0/1 Adam after their warm-up (stage 0): one compressed all-reduce per step,
+    DeepSpeed's (``raydeep.compression.allreduce``): 1 bit a value plus one fp32 scale per rank,
+    out in an all-to-all and back in an all-gather.
+
+    >>> from raydeep.config import load_config
+    >>> cfg = load_config({"train_micro_batch_size_per_gpu": 1}, world_size=8)
+    >>> t = predict_compressed_traffic(cfg, ModelShape.from_counts(8 * 10**6, 2, 64, 16, 100))
+    >>> t.by_op
+    {'compressed_all_to_all': 1000032, 'compressed_all_gather': 1000032}
+    """
+    from raydeep.compression.bits import padded_size
+
+    n = cfg.world_size
+    if n == 1:
+        return Traffic({}, 0)
+    ledger = _Ledger(n, max(1, min(gpus_per_node or n, n)))
+    padded = padded_size(shape.params, n)
+    message = padded // 8 + SCALE_BYTES * n
+    ledger.all_to_all("compressed_all_to_all", message, n, ledger.per_node)
+    ledger.ring_op("compressed_all_gather", message)
+    # compress (signs, scale, error feedback) and decode on the worker side, and the same for the
+    # rank's server chunk: about three passes over the gradient
+    ledger.codec("1bit", 3 * padded + padded / n)
+    return ledger.traffic()
