@@ -73,12 +73,15 @@ def _print_config_warnings(console, ds_config: dict, world_size: int) -> None:
     import logging
 
     from raydeep.config import load_config
+    from raydeep.errors import ConfigError
 
     logger = logging.getLogger("raydeep")
     level = logger.level
     logger.setLevel(logging.ERROR)  # printed below, once
     try:
         cfg = load_config(ds_config, world_size=world_size)
+    except ConfigError:
+        return  # the batch plan resolves each world size's batch itself; the run reports what fails
     finally:
         logger.setLevel(level)
     for text in cfg.warnings:
