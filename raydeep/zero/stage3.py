@@ -55,6 +55,9 @@ class Stage3(Stage2):
                 # Persistent units are gathered once per step, exactly: ZeRO++ spares the per-module gathers.
                 trained = any(p.requires_grad for p in unit.params)
                 unit.use_zero_plus_plus(plus.hpz, plus.quantize_weights if trained else plus.quantize_frozen_weights)
+        # qgZ's group size per unit, fixed by its layout: worked out once, not on every reduce-scatter
+        self._qgz_groups = [qgz.group_values([slot.shape for slot in u.layout.slots], u.layout.world_size)
+                            for u in units] if plus.qgz else []
         self.trace: list[int] = []
         self.trace_complete = False
         self.position = 0
@@ -172,9 +175,7 @@ class Stage3(Stage2):
     def _reduce_scatter(self, i: int, out: torch.Tensor, src: torch.Tensor) -> comm.Pending:
         if self.plus.qgz is None or i in self.persistent:
             return super()._reduce_scatter(i, out, src)
-        unit = self.units[i]
-        group = qgz.group_values([slot.shape for slot in unit.layout.slots], unit.layout.world_size)
-        qgz.reduce_scatter_sum(out, src, *self.plus.qgz, group, self.stats, owner=unit.name)
+        qgz.reduce_scatter_sum(out, src, *self.plus.qgz, self._qgz_groups[i], self.stats, owner=self.units[i].name)
         return comm.Pending(None, None, "quantized_reduce_scatter")  # done: synchronous
 
     def release_all(self) -> None:
