@@ -7,11 +7,14 @@ and all three; at stage 0/1 the plain all-reduce and 1-bit Adam / 0/1 Adam after
 takes the bytes :func:`raydeep.doctor.traffic.predict_traffic` says each rank sends, split into what
 crosses between nodes and what stays inside a node, and adds up
 
-    cross-node bytes / network bandwidth + intra-node bytes / intra-node bandwidth
+    collectives launched x latency
+    + cross-node bytes / network bandwidth + intra-node bytes / intra-node bandwidth
     + elements (de)quantized / the (de)quantization rate
 
-per optimizer step (summed: a conservative bound, as if nothing overlapped). The rates are given
-(``--bandwidth``, ``--intra-node-bandwidth``, ``--quantize-rate``) or, for the (de)quantization,
+per optimizer step (summed: a conservative bound, as if nothing overlapped). A model of many small
+units is latency-bound: each collective costs its launch and the slowest peer's arrival whatever it
+carries. The rates are given (``--bandwidth``, ``--intra-node-bandwidth``, ``--latency``,
+``--quantize-rate``) or, for the (de)quantization,
 measured on this machine with the engine's own quantizers (``raydeep.zero.quantize``; the 1-bit
 codec of ``raydeep.compression``): on its GPU when it has one, else on its CPU, which is far slower
 than a GPU, so on a login node pass the training device's rate.
@@ -35,6 +38,7 @@ from raydeep.doctor.traffic import Traffic, predict_compressed_traffic, predict_
 from raydeep.estimate import GB, PRECISION_BYTES
 
 DEFAULT_INTRA_NODE = "300GB"  # per direction per GPU: NVLink 3 (A100); an H100's NVLink 4 is 450GB
+DEFAULT_LATENCY = "50us"  # a small-message NCCL collective between nodes: tens of microseconds
 CODECS = ("int8", "int4", "1bit")
 WORTH_IT = 0.05  # an option must save 5% of the plain communication time to be recommended
 
@@ -74,6 +78,22 @@ def _parse(text: str) -> tuple[float, bool] | None:
     if not value > 0 or math.isinf(value):
         return None
     return value, bool(per and "node" in per)
+
+
+_LATENCY = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*")
+_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+
+
+def parse_latency(text: str) -> float:
+    """Seconds from ``50us`` / ``0.2ms`` / ``1e-5`` (seconds without a unit); zero is allowed.
+
+    >>> parse_latency("50us"), parse_latency("0.2 ms"), parse_latency("0")
+    (5e-05, 0.0002, 0.0)
+    """
+    match = _LATENCY.fullmatch(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a latency; write it as 50us, 0.2ms or 1e-5 (seconds)")
+    return float(match.group(1)) / _PER_SECOND[match.group(2) or "s"]
 
 
 def format_bandwidth(bytes_s: float) -> str:
@@ -174,10 +194,11 @@ def _timed(fn, device, reps: int) -> float:
 @dataclass(frozen=True)
 class Links:
     """Bytes per second a rank sends: to other nodes (its NIC, or its share of the node's) and to
-    ranks of its own node."""
+    ranks of its own node; and the seconds each collective costs whatever its size."""
 
     network: float
     intra_node: float
+    latency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -189,7 +210,8 @@ class Option:
     traffic: Traffic
     network_s: float  # its cross-node bytes over the network
     intra_node_s: float  # its intra-node bytes over the node's links
-    links_s: float  # per op, the slower of the two (a ring moves over all its links at once), summed
+    links_s: float  # per op, the slower of the two (a ring moves over all its links at once), summed, + latency
+    latency_s: float  # of links_s: the collectives launched x the latency
     codec_s: float
     pays_below: float | None = None  # bytes/s: below it this option beats the plain one (None: the plain one)
     this_config: bool = False
@@ -203,7 +225,8 @@ class Option:
         return {"name": self.name, "set": self.settings, "cross_node_bytes": self.traffic.cross_node_bytes,
                 "intra_node_bytes": self.traffic.intra_node_bytes, "by_op": self.traffic.by_op,
                 "codec_elements": self.traffic.codec_passes, "network_s": self.network_s,
-                "intra_node_s": self.intra_node_s, "links_s": self.links_s, "codec_s": self.codec_s, "total_s": self.total_s,
+                "intra_node_s": self.intra_node_s, "links_s": self.links_s, "latency_s": self.latency_s,
+                "collectives": sum(self.traffic.calls_by_op.values()), "codec_s": self.codec_s, "total_s": self.total_s,
                 "pays_below_bytes_s": None if self.pays_below is None else
                 (None if math.isinf(self.pays_below) else self.pays_below),
                 "pays_at_any_bandwidth": self.pays_below is not None and math.isinf(self.pays_below),
@@ -223,23 +246,26 @@ class NetworkPlan:
     def describe(self) -> str:
         head = (f"communication per step on {self.nodes} node(s) x {self.gpus_per_node}: network "
                 f"{format_bandwidth(self.links.network)} per rank between nodes, "
-                f"{self.links.intra_node / GB:.0f} GB/s inside a node; (de)quantization {self.rates.source}")
+                f"{self.links.intra_node / GB:.0f} GB/s inside a node, {self.links.latency * 1e6:.3g} us a collective; "
+                f"(de)quantization {self.rates.source}")
         rows = [f"  {'option':<34}{'cross-node':>12}{'intra-node':>12}{'network':>10}{'in node':>10}"
-                f"{'codec':>10}{'total':>10}  pays below"]
+                f"{'latency':>10}{'codec':>10}{'total':>10}  pays below"]
         for o in self.options:
             mark = " *" if o.this_config else ""
             rows.append(f"  {o.name + mark:<34}{o.traffic.cross_node_bytes / GB:>9.2f} GB{o.traffic.intra_node_bytes / GB:>9.2f} GB"
-                        f"{_seconds(o.network_s):>10}{_seconds(o.intra_node_s):>10}{_seconds(o.codec_s):>10}"
+                        f"{_seconds(o.network_s):>10}{_seconds(o.intra_node_s):>10}{_seconds(o.latency_s):>10}"
+                        f"{_seconds(o.codec_s):>10}"
                         f"{_seconds(o.total_s):>10}  {_pays(o)}")
         notes = [f"  {o.name}: {o.note}" for o in self.options if o.note]
         legend = ("  (* this config; per rank and optimizer step; total: each op waits for the slower of its network "
-                  "and in-node parts, plus the (de)quantization; pays below: the network bandwidth under which it "
-                  "beats the first row)")
+                  "and in-node parts, plus a latency per collective and the (de)quantization; pays below: the network "
+                  "bandwidth under which it beats the first row)")
         return "\n".join([head, *rows, legend, *notes,
                           f"verdict (network): {self.verdict}"])
 
     def as_dict(self) -> dict:
         return {"bandwidth_bytes_s": self.links.network, "intra_node_bandwidth_bytes_s": self.links.intra_node,
+                "latency_s": self.links.latency,
                 "codec_seconds_per_element": self.rates.seconds_per_element, "codec_source": self.rates.source,
                 "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
                 "options": [o.as_dict() for o in self.options],
@@ -276,28 +302,33 @@ def plan_network(cfg, shape: ModelShape, cluster: Cluster, links: Links, rates: 
     return NetworkPlan(links, rates, plan.nodes, per_node, options, best, _verdict(plan, stage))
 
 
-def links_seconds(traffic: Traffic, network: float, intra_node: float) -> float:
+def links_seconds(traffic: Traffic, network: float, intra_node: float, latency: float = 0.0) -> float:
     """The step's communication time without the codecs: each op takes as long as its slower link
     (a ring keeps every link busy at once, so its network and in-node parts overlap), and the ops
-    follow one another (qgZ's node phase waits for the in-node phase)."""
-    return sum(max(cross / network, intra / intra_node) for intra, cross in traffic.links_by_op.values())
+    follow one another (qgZ's node phase waits for the in-node phase); each collective launched
+    adds ``latency``."""
+    moved = sum(max(cross / network, intra / intra_node) for intra, cross in traffic.links_by_op.values())
+    return moved + latency * sum(traffic.calls_by_op.values())
 
 
 def _timed_option(links: Links, rates: CodecRates, name: str, settings: dict, traffic: Traffic, this: bool,
                   note: str) -> Option:
     return Option(name, settings, traffic, traffic.cross_node_bytes / links.network,
-                  traffic.intra_node_bytes / links.intra_node, links_seconds(traffic, links.network, links.intra_node),
-                  rates.seconds(traffic.codec_passes), this_config=this, note=note)
+                  traffic.intra_node_bytes / links.intra_node,
+                  links_seconds(traffic, links.network, links.intra_node, links.latency),
+                  links.latency * sum(traffic.calls_by_op.values()), rates.seconds(traffic.codec_passes),
+                  this_config=this, note=note)
 
 
-def break_even(option: Option, reference: Option, intra_node: float, lowest: float = 1e6, highest: float = 1e14) -> float:
+def break_even(option: Option, reference: Option, intra_node: float, lowest: float = 1e6, highest: float = 1e14,
+               latency: float = 0.0) -> float:
     """The highest network bandwidth (bytes/s per rank) at which ``option`` is faster than
     ``reference``: ``inf`` when it is faster even at ``highest``, 0 when not even at ``lowest``.
     Faster means less time per step, so an option that saves network bytes for compute pays
     below this bandwidth."""
     def wins(bandwidth: float) -> bool:
-        mine = links_seconds(option.traffic, bandwidth, intra_node) + option.codec_s
-        return mine < links_seconds(reference.traffic, bandwidth, intra_node) + reference.codec_s
+        mine = links_seconds(option.traffic, bandwidth, intra_node, latency) + option.codec_s
+        return mine < links_seconds(reference.traffic, bandwidth, intra_node, latency) + reference.codec_s
 
     if wins(highest):
         return math.inf
@@ -315,8 +346,8 @@ def break_even(option: Option, reference: Option, intra_node: float, lowest: flo
 
 def _with_break_even(option: Option, plain: Option, links: Links) -> Option:
     return Option(option.name, option.settings, option.traffic, option.network_s, option.intra_node_s,
-                  option.links_s, option.codec_s, break_even(option, plain, links.intra_node), option.this_config,
-                  option.note)
+                  option.links_s, option.latency_s, option.codec_s,
+                  break_even(option, plain, links.intra_node, latency=links.latency), option.this_config, option.note)
 
 
 _ZEROPP = {"hpZ": "zero_hpz_partition_size", "qwZ": "zero_quantized_weights", "qgZ": "zero_quantized_gradients"}
@@ -370,7 +401,7 @@ def _allreduce_candidates(cfg, shape: ModelShape, per_node: int) -> list[tuple]:
 def _verdict(plan: NetworkPlan, stage: int) -> str:
     """One sentence in the spirit of the field report's 25 Gbps rule: what to use at this bandwidth,
     what it saves, and the bandwidth where the (de)quantization stops paying."""
-    plain, best, intra = plan.options[0], plan.recommended, plan.links.intra_node
+    plain, best, intra, latency = plan.options[0], plan.recommended, plan.links.intra_node, plan.links.latency
     at = f"at {format_bandwidth(plan.links.network)} per rank between nodes"
     quantized = [o for o in plan.options if o.codec_s > 0]
     fastest = min(quantized, key=lambda o: o.total_s) if quantized else None
@@ -382,7 +413,7 @@ def _verdict(plan: NetworkPlan, stage: int) -> str:
             return f"{at} communication takes {_seconds(plain.total_s)} per step: keep {plain.name}"
         keep = "plain ZeRO-3" if stage == 3 else plain.name
         return (f"{at} the (de)quantization costs more than it saves ({fastest.name}: {_seconds(fastest.total_s)} "
-                f"against {_seconds(plain.total_s)} per step; {_pays_phrase(break_even(fastest, plain, intra))}): "
+                f"against {_seconds(plain.total_s)} per step; {_pays_phrase(break_even(fastest, plain, intra, latency=latency))}): "
                 f"keep {keep}")
     sets = " ".join(f"--set {k}={_json(v)}" for k, v in best.settings.items())
     text = f"{at} {best.name} cuts communication from {_seconds(plain.total_s)} to {_seconds(best.total_s)} per step"
@@ -391,10 +422,10 @@ def _verdict(plan: NetworkPlan, stage: int) -> str:
     text += f": use it ({sets})" + (f"; it {best.note}" if "secondary" in best.note else "")
     exact = min((o for o in plan.options if o.codec_s == 0), key=lambda o: o.total_s)
     if best.codec_s > 0 and exact is not best:
-        text += f". Against {exact.name} (exact values), {_pays_phrase(break_even(best, exact, intra))}"
+        text += f". Against {exact.name} (exact values), {_pays_phrase(break_even(best, exact, intra, latency=latency))}"
     elif fastest is not None:
         text += (f". Quantizing costs more than it saves here ({fastest.name}: {_seconds(fastest.total_s)}); "
-                 f"{_pays_phrase(break_even(fastest, best, intra))}")
+                 f"{_pays_phrase(break_even(fastest, best, intra, latency=latency))}")
     return text
 
 

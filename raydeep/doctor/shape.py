@@ -66,6 +66,9 @@ class ModelShape:
     # Per-parameter element counts (name -> numel), when the model was built; lint rules that need
     # the largest single tensor use it, else it is derived from the sizes.
     tensors: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    # The largest block's parameter sizes, when the model was built: what stage 3 partitions of a
+    # block (and so its unit's exact size) follows from them.
+    block_tensors: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "seq", "vocab"):
@@ -110,7 +113,9 @@ class ModelShape:
         params = {n: p.numel() for n, p in model.named_parameters()}
         blocks = model.transformer_blocks() if hasattr(model, "transformer_blocks") else max(
             (m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=[])
-        block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=sum(params.values()))
+        largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()), default=None)
+        block_tensors = tuple(p.numel() for p in largest.parameters()) if largest is not None else ()
+        block = sum(block_tensors) if block_tensors else sum(params.values())
         cfg = getattr(model, "config", None)
         hidden = getattr(cfg, "n_embd", None) or _guess_hidden(params)
         vocab = getattr(cfg, "vocab_size", None) or max(params.values()) // hidden
@@ -118,7 +123,8 @@ class ModelShape:
                           vocab=vocab, heads=getattr(cfg, "n_head", 0) or max(1, hidden // 64),
                           block_params=block,
                           small_params=sum(n for n in params.values() if n <= persistence_threshold),
-                          name=name, tied=getattr(cfg, "tie_weights", True), tensors=params)
+                          name=name, tied=getattr(cfg, "tie_weights", True), tensors=params,
+                          block_tensors=block_tensors)
 
 
 def _guess_hidden(params: dict[str, int]) -> int:

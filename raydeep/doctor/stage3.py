@@ -22,6 +22,23 @@ def _synthetic_small(shape: ModelShape) -> list[int]:
     return [3 * h, h, 4 * h, h, h, h, h, h] * shape.layers + [h, h]
 
 
+def block_partitioned(cfg: RaydeepConfig, shape: ModelShape) -> int:
+    """A block's partitioned elements (its stage-3 unit): its tensors above
+    ``stage3_param_persistence_threshold``; for a model known by its sizes, the block less its
+    share of the persistent parameters."""
+    if shape.block_tensors:
+        threshold = cfg.zero_optimization.param_persistence_threshold
+        return sum(n for n in shape.block_tensors if n > threshold)
+    return max(0, shape.block_params - persistent_params(cfg, shape) // max(1, shape.layers))
+
+
+def root_partitioned(cfg: RaydeepConfig, shape: ModelShape) -> int:
+    """The root unit's partitioned elements (embeddings, an untied head): what the blocks leave."""
+    partitioned = shape.params - persistent_params(cfg, shape)
+    return max(0, partitioned - shape.layers * block_partitioned(cfg, shape))
+
+
 def kept_between_passes(cfg: RaydeepConfig, shape: ModelShape) -> int:
     """Blocks stage 3 keeps gathered from their forward to their backward."""
-    return blocks_kept_between_passes(shape.layers, shape.block_params, cfg.zero_optimization.max_reuse_distance)
+    return blocks_kept_between_passes(shape.layers, block_partitioned(cfg, shape),
+                                      cfg.zero_optimization.max_reuse_distance, root_partitioned(cfg, shape))

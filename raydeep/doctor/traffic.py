@@ -29,8 +29,12 @@ ZeRO++ at stage 3 (the engine's ``raydeep.zero.hierarchy``) changes where those 
   scales to the node's ranks first, then each rank's 1/L of the node's partial sums to the same
   local index on every node (both counted as ``quantized_reduce_scatter``, as the engine counts
   them; ``links_by_op`` keeps the ``/local`` and ``/global`` phases apart): across nodes about a
-  quarter of an fp16 reduce-scatter. Vectors (biases, norms) keep the plain
-  reduce-scatter, as DeepSpeed sends 1-D tensors.
+  quarter of an fp16 reduce-scatter. The persistent parameters (the small biases and norms
+  stage 3 keeps gathered) keep the plain reduce-scatter, as the engine sends them.
+
+``calls_by_op`` counts the collectives launched per step (stage 3: one per unit gathered or
+reduce-scattered, two per quantized gather, four per qgZ reduce-scatter; one scalar all-reduce of
+the gradient norm), which :mod:`raydeep.doctor.network` multiplies by a per-collective latency.
 
 Where bytes go (``gpus_per_node`` L ranks on each node, ranks numbered node-major): over a ring of
 ranks spanning nodes, each node sends one rank's ring volume to the next node, so a rank's share of
@@ -54,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raydeep.config.model import RaydeepConfig
-from raydeep.doctor.stage3 import kept_between_passes, persistent_params
+from raydeep.doctor.stage3 import block_partitioned, kept_between_passes, persistent_params, root_partitioned
 from raydeep.doctor.shape import ModelShape
 from raydeep.estimate import PRECISION_BYTES
 
@@ -72,6 +76,9 @@ class Traffic:
     codec_passes: dict[str, int] = field(default_factory=dict)
     # per op: (intra-node, cross-node) bytes of this rank's sends, the split of ring_bytes
     links_by_op: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # collectives launched per step, by op label as CommStats counts its calls (the gradient norm's
+    # scalar all-reduce included): what a per-collective latency multiplies
+    calls_by_op: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -87,10 +94,16 @@ class _Ledger:
         self.ring = self.intra = self.cross = 0
         self.passes: dict[str, int] = {}
         self.links: dict[str, tuple[int, int]] = {}
+        self.calls: dict[str, int] = {}
 
-    def _add(self, label: str, logical: int, sent: int, cross: int, phase: str = "") -> None:
+    def launch(self, label: str, calls: int) -> None:
+        if calls > 0:
+            self.calls[label] = self.calls.get(label, 0) + int(calls)
+
+    def _add(self, label: str, logical: int, sent: int, cross: int, phase: str = "", calls: int = 1) -> None:
         if logical <= 0:
             return
+        self.launch(label, calls)
         self.by_op[label] = self.by_op.get(label, 0) + logical
         key = f"{label}/{phase}" if phase else label  # phases of one op run one after the other
         intra, crossing = self.links.get(key, (0, 0))
@@ -99,30 +112,31 @@ class _Ledger:
         self.cross += cross
         self.intra += sent - cross
 
-    def ring_op(self, label: str, logical: float, group: int | None = None, times: int = 1) -> None:
-        """A ring collective over ``group`` consecutive ranks (the world by default): an all-gather
-        or reduce-scatter sends ``(g-1)/g`` of ``logical``, an all-reduce twice that."""
+    def ring_op(self, label: str, logical: float, group: int | None = None, times: int = 1, calls: int = 1) -> None:
+        """``calls`` ring collectives over ``group`` consecutive ranks (the world by default),
+        ``logical`` bytes in all: an all-gather or reduce-scatter sends ``(g-1)/g`` of them, an
+        all-reduce twice that."""
         g = group or self.world
         logical = int(logical)
         sent = int(times * (g - 1) / g * logical)
         local = min(g, self.per_node)
         cross = sent // local if g > local else 0  # one ring link per node crosses to the next
-        self._add(label, logical, sent, cross)
+        self._add(label, logical, sent, cross, calls=calls)
 
-    def all_to_all(self, label: str, logical: float, group: int, local: int, phase: str = "") -> None:
-        """An all-to-all over ``group`` ranks of which ``local`` share this rank's node: each peer
-        gets ``1/group`` of ``logical`` directly."""
+    def all_to_all(self, label: str, logical: float, group: int, local: int, phase: str = "", calls: int = 1) -> None:
+        """``calls`` all-to-alls over ``group`` ranks of which ``local`` share this rank's node:
+        each peer gets ``1/group`` of ``logical`` directly."""
         logical = int(logical)
         sent = int((group - 1) / group * logical)
         cross = int((group - local) / group * logical)
-        self._add(label, logical, sent, cross, phase)
+        self._add(label, logical, sent, cross, phase, calls)
 
     def codec(self, kind: str, elements: float) -> None:
         if elements > 0:
             self.passes[kind] = self.passes.get(kind, 0) + int(elements)
 
     def traffic(self) -> Traffic:
-        return Traffic(self.by_op, self.ring, self.intra, self.cross, self.passes, self.links)
+        return Traffic(self.by_op, self.ring, self.intra, self.cross, self.passes, self.links, self.calls)
 
 
 def predict_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_node: int | None = None) -> Traffic:
@@ -136,50 +150,67 @@ def predict_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_node: int | 
         return Traffic({}, 0)
     ledger = _Ledger(n, max(1, min(gpus_per_node or n, n)))
     if zero.stage == 0:
-        ledger.ring_op("all_reduce", grads * psi, times=2)
-    elif zero.stage in (1, 2):
-        ledger.ring_op("reduce_scatter", grads * psi * (gas if zero.stage == 2 else 1))
-        ledger.ring_op("all_gather", weights * psi)
+        ledger.ring_op("all_reduce", grads * psi, times=2, calls=_buckets(shape, zero.reduce_bucket_size))
+        return ledger.traffic()  # every rank holds the reduced gradients: the norm needs no collective
+    if zero.stage in (1, 2):
+        buckets = _buckets(shape, zero.reduce_bucket_size)
+        ledger.ring_op("reduce_scatter", grads * psi * (gas if zero.stage == 2 else 1),
+                       calls=buckets * (gas if zero.stage == 2 else 1))
+        ledger.ring_op("all_gather", weights * psi, calls=buckets)
     else:
         _stage3(ledger, cfg, shape, weights, grads)
+    ledger.launch("all_reduce", 1)  # the gradient norm over the shards (a scalar: no bytes counted)
     return ledger.traffic()
+
+
+def _buckets(shape: ModelShape, bucket_numel: int) -> int:
+    """The engine's gradient buckets below stage 3 (``raydeep.zero.layout.plan_buckets`` over the
+    parameters in reverse order); by size alone for a model known by its sizes."""
+    from raydeep.zero.layout import plan_buckets
+
+    sizes = list(shape.tensors.values())[::-1] or [shape.params]
+    return len(plan_buckets(sizes, bucket_numel)) if shape.tensors else max(1, -(-shape.params // bucket_numel))
 
 
 def _stage3(ledger: _Ledger, cfg: RaydeepConfig, shape: ModelShape, weights: int, grads: int) -> None:
     zero, n, gas, psi = cfg.zero_optimization, cfg.world_size, cfg.gradient_accumulation_steps, shape.params
     persistent = persistent_params(cfg, shape)
     partitioned = psi - persistent
-    kept = kept_between_passes(cfg, shape)
-    root = max(0, partitioned - shape.layers * shape.block_params)
-    backward = max(0, partitioned - root - kept * shape.block_params)
+    block, root = block_partitioned(cfg, shape), root_partitioned(cfg, shape)
+    units = shape.layers + (1 if root else 0)  # a unit per block and the root's, one collective each
+    regathered = shape.layers - kept_between_passes(cfg, shape)  # blocks gathered again for backward
+    backward = min(partitioned - root, regathered * block)
     gathered = gas * (partitioned + backward)  # elements gathered per step, every pass
+    gathers = gas * (units + regathered)
     hpz = zero.zero_hpz_partition_size if 1 < zero.zero_hpz_partition_size <= n else 0
     primary = min(partitioned, gathered) if hpz else gathered  # hpZ: only the step's first gather
+    primaries = units if hpz else gathers
     if hpz:
-        ledger.ring_op("all_gather_secondary", weights * (gathered - primary), group=hpz)
-    if zero.zero_quantized_weights:
-        ledger.ring_op("all_gather_quantized", primary * quantized_weight_bytes(shape.block_params, n))
+        ledger.ring_op("all_gather_secondary", weights * (gathered - primary), group=hpz, calls=gathers - primaries)
+    if zero.zero_quantized_weights:  # int8 values and their scales: two collectives a gather
+        ledger.ring_op("all_gather_quantized", primary * quantized_weight_bytes(block or shape.block_params, n),
+                       calls=2 * primaries)
         ledger.codec("int8", primary * (1 + 1 / n))  # quantize the shard, dequantize the whole unit
     else:
-        ledger.ring_op("all_gather", weights * primary)
+        ledger.ring_op("all_gather", weights * primary, calls=primaries)
     ledger.ring_op("all_gather", weights * persistent)  # re-gathered exactly after the step
-    if zero.zero_quantized_gradients:
-        vectors = min(psi, vector_params(shape))
-        ledger.ring_op("reduce_scatter", grads * vectors * gas)
-        _qgz(ledger, (psi - vectors) * gas, gas, shape.hidden)
+    if zero.zero_quantized_gradients:  # the persistent unit keeps the plain reduce-scatter
+        ledger.ring_op("reduce_scatter", grads * persistent * gas, calls=gas)
+        _qgz(ledger, partitioned * gas, gas, shape.hidden, calls=gas * units)
     else:
-        ledger.ring_op("reduce_scatter", grads * psi * gas)
+        ledger.ring_op("reduce_scatter", grads * psi * gas, calls=gas * (units + (1 if persistent else 0)))
 
 
-def _qgz(ledger: _Ledger, elements: int, gas: int, hidden: int) -> None:
-    """DeepSpeed's ``all_to_all_quant_reduce`` for ``elements`` gradient values per step: groups
-    of ``max(rows, cols, world)`` per 2-D gradient, about ``hidden`` values each for a transformer."""
+def _qgz(ledger: _Ledger, elements: int, gas: int, hidden: int, calls: int) -> None:
+    """DeepSpeed's ``all_to_all_quant_reduce`` for ``elements`` gradient values per step in
+    ``calls`` reduce-scatters: groups of ``max(rows, cols, world)`` per 2-D gradient, about
+    ``hidden`` values each for a transformer; values and scales are two all-to-alls a phase."""
     n, per_node = ledger.world, ledger.per_node
     nodes = max(1, n // per_node)
     groups = max(elements / max(1, hidden), gas * n)
     message = elements / 2 + SCALE_BYTES * groups
-    ledger.all_to_all("quantized_reduce_scatter", message, per_node, per_node, phase="local")
-    ledger.all_to_all("quantized_reduce_scatter", message / per_node, nodes, 1, phase="global")
+    ledger.all_to_all("quantized_reduce_scatter", message, per_node, per_node, phase="local", calls=2 * calls)
+    ledger.all_to_all("quantized_reduce_scatter", message / per_node, nodes, 1, phase="global", calls=2 * calls)
     # quantize, dequantize the node's pieces and re-quantize the sum, dequantize the nodes' pieces
     ledger.codec("int4", 2 * elements * (1 + 1 / per_node))
 
@@ -212,12 +243,6 @@ def _weight_groups(numel: int) -> int:
         return -(-numel // 8000)
 
 
-def vector_params(shape: ModelShape) -> int:
-    """The 1-D parameters (biases, norms) of a GPT-like model: qgZ leaves them to the plain
-    reduce-scatter, as DeepSpeed's ``all_to_all_quant_reduce`` does."""
-    return shape.layers * 13 * shape.hidden + 2 * shape.hidden
-
-
 def predict_compressed_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_node: int | None = None) -> Traffic:
     """1-bit Adam / 0/1 Adam after their warm-up (stage 0): one compressed all-reduce per step,
     DeepSpeed's (``raydeep.compression.allreduce``): 1 bit a value plus one fp32 scale per rank,
@@ -242,4 +267,5 @@ def predict_compressed_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_n
     # compress (signs, scale, error feedback) and decode on the worker side, and the same for the
     # rank's server chunk: about three passes over the gradient
     ledger.codec("1bit", 3 * padded + padded / n)
+    ledger.launch("all_reduce", 1)  # the largest rank's gradient norm (each rank clips its own)
     return ledger.traffic()

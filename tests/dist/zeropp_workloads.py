@@ -82,9 +82,10 @@ def zeropp_config(precision: str = "fp32", gas: int = 2, **zero) -> dict:
 
 
 def train_counting(cfg: dict, steps: int, count_from: int = 1, seed: int = 1) -> dict:
-    """Train the tiny GPT with ``cfg`` on this rank; returns the losses, the full parameters, and
-    the bytes sent across and within nodes per step (steps ``count_from..steps-1``: the first step
-    records stage 3's trace), by (phase, op)."""
+    """Train the tiny GPT with ``cfg`` on this rank; returns the losses, the full parameters, the
+    bytes sent across and within nodes per step (steps ``count_from..steps-1``: the first step
+    records stage 3's trace), by (phase, op), and the engine's own count of those steps' collectives
+    per step (``ops``)."""
     import torch.distributed as dist
 
     import raydeep
@@ -99,6 +100,8 @@ def train_counting(cfg: dict, steps: int, count_from: int = 1, seed: int = 1) ->
     try:
         for step, batch in enumerate(global_batches(steps, micro * gas * world, seed=seed)):
             counter.counting = step >= count_from
+            if step == count_from:
+                engine.reset_comm_stats()
             step_loss = 0.0
             for k in range(gas):
                 lo = (k * world + rank) * micro
@@ -115,12 +118,13 @@ def train_counting(cfg: dict, steps: int, count_from: int = 1, seed: int = 1) ->
             losses.append(total.item() / world)
     finally:
         counter.close()
+    counted = steps - count_from
+    ops = {op: {"calls": s["calls"] / counted, "bytes": s["bytes"] / counted} for op, s in engine.comm_stats().items()}
     with GatheredParameters(list(model.parameters())):
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    counted = steps - count_from
     per_step = lambda table: {f"{phase}/{op}": n / counted for (phase, op), n in table.items()}  # noqa: E731
     return {"losses": losses, "params": params, "cross": per_step(counter.cross), "intra": per_step(counter.intra),
-            "memory": engine.memory_breakdown()}
+            "memory": engine.memory_breakdown(), "ops": ops}
 
 
 def summed(results: list[dict], kind: str) -> dict[str, float]:

@@ -15,7 +15,8 @@ import pytest
 from raydeep.config import load_config
 from raydeep.doctor.network import CodecRates, Links, parse_bandwidth, plan_network
 from raydeep.doctor.shape import Cluster, ModelShape
-from raydeep.doctor.traffic import predict_compressed_traffic, predict_traffic, quantized_weight_bytes, vector_params
+from raydeep.doctor.stage3 import persistent_params
+from raydeep.doctor.traffic import predict_compressed_traffic, predict_traffic, quantized_weight_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PER_NODE = 16, 8
@@ -63,7 +64,7 @@ def test_qgz_sends_about_a_quarter_of_the_reduce_scatter_across_nodes():
     plain = predict_traffic(_cfg(), SHAPE, PER_NODE)
     qgz = predict_traffic(_cfg(zero_quantized_gradients=True), SHAPE, PER_NODE)
     assert qgz.links_by_op["quantized_reduce_scatter/local"][1] == 0  # the first phase stays in the node
-    matrices = (SHAPE.params - vector_params(SHAPE)) / SHAPE.params
+    matrices = (SHAPE.params - persistent_params(_cfg(), SHAPE)) / SHAPE.params  # the rest stays plain
     quarter = _cross_by_op(qgz, "quantized_reduce_scatter") / (plain.links_by_op["reduce_scatter"][1] * matrices)
     # int4 values over 1/8 of the data sent to 15 of 16 nodes, against bf16 over a ring of 128 ranks
     # (127/128 of it, 1/8 per rank crossing); scales: one fp32 per ~hidden values
