@@ -116,6 +116,21 @@ def test_a_slower_quantizer_moves_the_break_even_down():
     assert pays_below(1e10) < pays_below(1e11) < pays_below(1e12)
 
 
+def test_every_collective_launched_costs_the_latency():
+    cluster = Cluster(world_size=WORLD, gpus_per_node=PER_NODE)
+    links = Links(parse_bandwidth("100Gbps"), parse_bandwidth("300GB"))
+    plans = [plan_network(_cfg(gas=4), SHAPE, cluster, Links(links.network, links.intra_node, latency),
+                          CodecRates.given(2e11)) for latency in (0.0, 1e-3)]
+    for without, per_ms in zip(*(p.options for p in plans)):
+        launched = sum(without.traffic.calls_by_op.values())
+        # per micro-step a gather per block and the root (backward gathers the blocks again at
+        # reuse distance 0), a reduce-scatter per unit and the persistent one; quantized gathers
+        # and qgZ reduce-scatters launch values and scales apart
+        assert launched >= 4 * (2 * SHAPE.layers + 1 + SHAPE.layers + 2)
+        assert per_ms.total_s - without.total_s == pytest.approx(1e-3 * launched)
+        assert per_ms.latency_s == pytest.approx(1e-3 * launched) and without.latency_s == 0
+
+
 @pytest.mark.parametrize("text", ["25", "25gb", "25 Gbs", "fast", "-3Gbps", "0Gbps", "25Gbps/rack", "1e999GB"])
 def test_bad_bandwidths_are_refused(text):
     with pytest.raises(ValueError, match="not a bandwidth"):
