@@ -4,7 +4,8 @@ ranks declared as nodes (``LOCAL_WORLD_SIZE``), the doctor given the links measu
     python -m benchmarks.zeropp_doctor [--world 4] [--per-node 2] [--steps 6] [--reuse 0] [--overlap]
                                        [--json out.json]
 
-On every rank, before training, raydeep's own collectives over loopback give the links:
+On every rank, before training, raydeep's own collectives over loopback give the links, each
+timed after a few milliseconds of compute (as a step issues them):
 
 - **latency**: the median seconds of an all-gather of 8 values;
 - **bandwidth**: the bytes each rank sends per second in an all-gather of 2 MB per rank, its
@@ -59,7 +60,7 @@ def ds_config(opts, case: str) -> dict:
     zero.update({k: opts.per_node if v == "per_node" else v for k, v in CASES[case].items()})
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": zero}
+            "zero_optimization": zero, "raydeep": {"check_collective_order": opts.aligned}}
 
 
 def build_model(opts):
@@ -70,10 +71,15 @@ def build_model(opts):
 
 
 def _timed(fn, reps: int) -> float:
+    """The median seconds of ``fn``, each time after a few milliseconds of compute and a barrier:
+    a collective that follows compute, as in a step, costs more than one issued in a tight loop
+    (gloo's threads and the caches have gone cold: about 0.6 ms against 0.3 ms here)."""
     import torch.distributed as dist
 
-    took = []
+    took, a = [], torch.randn(256, 256)
     for _ in range(reps):
+        for _ in range(20):
+            a = torch.tanh(a @ a.T * 0.01)
         dist.barrier()
         began = time.perf_counter()
         fn()
@@ -129,7 +135,7 @@ def measure(opts) -> dict:
     return out
 
 
-def predict(opts, case: str, latency: float, bandwidth: float, rates) -> dict:
+def predict(opts, case: str, latency: float, bandwidth: float, rates, step_latency: float | None = None) -> dict:
     from raydeep.config import load_config
     from raydeep.doctor.network import links_seconds
     from raydeep.doctor.shape import ModelShape
@@ -139,6 +145,7 @@ def predict(opts, case: str, latency: float, bandwidth: float, rates) -> dict:
     traffic = predict_traffic(cfg, ModelShape.from_module(build_model(opts), opts.seq), opts.per_node)
     return {"collectives": sum(traffic.calls_by_op.values()), "bytes": traffic.total,
             "comm_s": links_seconds(traffic, bandwidth, bandwidth, latency),
+            "moved_s": links_seconds(traffic, bandwidth, bandwidth, 0.0),
             "latency_s": latency * sum(traffic.calls_by_op.values()), "codec_s": rates.seconds(traffic.codec_passes)}
 
 
@@ -155,13 +162,19 @@ def run(opts) -> dict:
     for case in CASES:
         counted = [r["cases"][case] for r in per_rank]
         blocked = [sum(s["blocked_s"] for s in c["ops"].values()) for c in counted]
+        if not rows:  # the first case (ZeRO-3) calibrates the latency a collective has inside a step
+            plain = predict(opts, case, latency, bandwidth, rates)
+            step_latency = max(0.0, statistics.mean(blocked) - plain["moved_s"]) / plain["collectives"]
         steps = [max(c["walls"][s] for c in counted) for s in range(opts.steps)]  # the slowest rank's
-        rows.append({"case": case, "predicted": predict(opts, case, latency, bandwidth, rates),
+        predicted = predict(opts, case, latency, bandwidth, rates)
+        predicted["calibrated_s"] = predicted["moved_s"] + step_latency * predicted["collectives"]
+        rows.append({"case": case, "predicted": predicted,
                      "collectives": sum(s["calls"] for s in counted[0]["ops"].values()),
                      "bytes": sum(s["bytes"] for s in counted[0]["ops"].values()),
                      "blocked_s": statistics.mean(blocked), "blocked_min_s": min(blocked),
                      "blocked_max_s": max(blocked), "step_s": statistics.median(steps)})
     return {"setup": {k: v for k, v in vars(opts).items() if k != "json"}, "latency_s": latency,
+            "step_latency_s": step_latency,
             "bandwidth_bytes_s": bandwidth, "codec": rates.source, "rows": rows,
             "load_average": os.getloadavg()[0]}
 
@@ -170,19 +183,23 @@ def render(result: dict) -> str:
     s = result["setup"]
     lines = [f"{s['model']} (seq {s['seq']}), {s['world']} gloo ranks as {s['world'] // s['per_node']} nodes x "
              f"{s['per_node']}, bf16, stage3_max_reuse_distance {s['reuse']}, prefetch and overlap_comm "
-             f"{'on' if s['overlap'] else 'off'}, {s['steps']} steps; loopback links "
+             f"{'on' if s['overlap'] else 'off'}, {'ranks aligned before each collective, ' if s['aligned'] else ''}"
+             f"{s['steps']} steps; loopback links "
              f"measured: latency {result['latency_s'] * 1e3:.2f} ms a collective, "
              f"{result['bandwidth_bytes_s'] / 1e9:.2f} GB/s sent per rank; load {result['load_average']:.1f}",
-             f"{'case':<17}{'collectives':>16}{'bytes':>22}{'doctor ms':>11}{'blocked ms':>22}{'doctor/blocked':>16}"
-             f"{'codec ms':>10}{'step ms':>9}"]
+             f"{'case':<17}{'collectives':>16}{'bytes':>22}{'doctor ms':>11}{'calibrated':>12}{'blocked ms':>22}"
+             f"{'doctor/blocked':>16}{'calibrated/blocked':>20}{'codec ms':>10}{'step ms':>9}"]
     for r in result["rows"]:
         p = r["predicted"]
         lines.append(f"{r['case']:<17}{p['collectives']:>8} / {r['collectives']:<5g}{p['bytes']:>11,} / {r['bytes']:<9,.0f}"
-                     f"{p['comm_s'] * 1e3:>11.1f}{r['blocked_s'] * 1e3:>9.1f} ({r['blocked_min_s'] * 1e3:.0f}-"
-                     f"{r['blocked_max_s'] * 1e3:.0f}){'':>3}{p['comm_s'] / r['blocked_s']:>13.2f}"
+                     f"{p['comm_s'] * 1e3:>11.1f}{p['calibrated_s'] * 1e3:>12.1f}{r['blocked_s'] * 1e3:>9.1f} "
+                     f"({r['blocked_min_s'] * 1e3:.0f}-{r['blocked_max_s'] * 1e3:.0f}){'':>3}"
+                     f"{p['comm_s'] / r['blocked_s']:>13.2f}{p['calibrated_s'] / r['blocked_s']:>20.2f}"
                      f"{p['codec_s'] * 1e3:>10.1f}{r['step_s'] * 1e3:>9.0f}")
     lines.append("(collectives and bytes: the doctor's / counted by the engine, per step and rank; doctor ms: "
-                 "latency x collectives + bytes / bandwidth)")
+                 "latency x collectives + bytes / bandwidth; calibrated: the same with the latency a collective had "
+                 f"inside ZeRO-3's steps, {result['step_latency_s'] * 1e3:.2f} ms: its blocked time less its bytes' "
+                 "time, per collective)")
     return "\n".join(lines)
 
 
@@ -196,6 +213,9 @@ def main(argv=None) -> None:
     parser.add_argument("--reuse", type=int, default=0, help="stage3_max_reuse_distance (default 0)")
     parser.add_argument("--overlap", action="store_true", help="prefetch and overlap_comm on (default: off, "
                         "every collective synchronous)")
+    parser.add_argument("--aligned", action="store_true", help="line the ranks up before each collective over "
+                        "all ranks (raydeep.check_collective_order), so its blocked time leaves out the wait for a "
+                        "rank still computing")
     parser.add_argument("--json", help="write the result here too")
     opts = parser.parse_args(argv)
     if opts.world % opts.per_node:

@@ -209,8 +209,10 @@ def _qgz(ledger: _Ledger, elements: int, gas: int, hidden: int, calls: int) -> N
     nodes = max(1, n // per_node)
     groups = max(elements / max(1, hidden), gas * n)
     message = elements / 2 + SCALE_BYTES * groups
-    ledger.all_to_all("quantized_reduce_scatter", message, per_node, per_node, phase="local", calls=2 * calls)
-    ledger.all_to_all("quantized_reduce_scatter", message / per_node, nodes, 1, phase="global", calls=2 * calls)
+    if per_node > 1:  # a phase over a group of one rank moves nothing (the engine skips it)
+        ledger.all_to_all("quantized_reduce_scatter", message, per_node, per_node, phase="local", calls=2 * calls)
+    if nodes > 1:
+        ledger.all_to_all("quantized_reduce_scatter", message / per_node, nodes, 1, phase="global", calls=2 * calls)
     # quantize, dequantize the node's pieces and re-quantize the sum, dequantize the nodes' pieces
     ledger.codec("int4", 2 * elements * (1 + 1 / per_node))
 
