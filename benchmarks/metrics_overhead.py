@@ -52,6 +52,9 @@ class PlainSession:
     def save(self, engine, tag, client_state, metrics) -> None:
         pass
 
+    def snapshot(self, engine, tag, client_state) -> None:
+        pass
+
     def attempt_started(self, record) -> None:
         pass
 

@@ -28,7 +28,9 @@ class Storage:
         self.fs, self.root, self.uri = fs, root.rstrip("/") or "/", uri
 
     @staticmethod
-    def open(uri: str | os.PathLike) -> "Storage":
+    def open(uri: "str | os.PathLike | Storage") -> "Storage":
+        if isinstance(uri, Storage):  # one opened already (e.g. raydeep.ray.memory_snapshots')
+            return uri
         uri = os.fspath(uri)
         if not uri:
             raise ValueError("checkpoint directory is empty: pass a local path or a URI such as s3://bucket/run")

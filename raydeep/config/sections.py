@@ -306,6 +306,11 @@ class RaydeepSection(Section):
     checkpoint_fsync: Flag = True
     # Keep only the newest K committed checkpoints under a save_dir (None keeps all).
     checkpoint_keep_last_k: int | None = Field(None, ge=1)
+    # Ray Train runs (`raydeep train`): every N steps each rank's state also goes, as a checkpoint,
+    # into the memory of a store the driver holds (raydeep.ray.memory_snapshots), and a restart
+    # resumes from the newest snapshot when it is newer than the newest storage checkpoint: a lost
+    # worker then costs the steps since the snapshot, not since the checkpoint. 0: off.
+    memory_snapshot_every: int = Field(0, ge=0)
     # The step watchdog of Ray Train runs (raydeep.ray.watchdog): a rank stuck inside a step (a
     # deadlocked collective, a stuck data read) would otherwise block every rank silently until
     # the process group times out. When a step runs longer than step_timeout_s, each rank writes

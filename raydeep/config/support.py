@@ -333,6 +333,7 @@ SUPPORT: dict[str, Support] = {
     "raydeep.checkpoint_async": read(PARTS),
     "raydeep.checkpoint_fsync": read(PARTS),
     "raydeep.checkpoint_keep_last_k": read(PARTS),
+    "raydeep.memory_snapshot_every": read("raydeep/ray/loop.py", RAY_TRAINER),
     "raydeep.step_timeout_s": read(WATCHDOG, WORKER),
     "raydeep.min_step_timeout_s": read(WATCHDOG, WORKER),
     "raydeep.watchdog": read(WORKER, RAY_TRAINER),

@@ -9,7 +9,7 @@ One attempt of a run, on every rank:
 3. train to ``spec.steps``: each step reads the samples at global positions
    ``[global_samples, global_samples + train_batch_size)`` of the run's sample order, records
    them in the ledger, and every ``checkpoint_every`` steps (and at the end) saves through the
-   session; the session hears when each step starts and ends (its step watchdog reports a rank
+   session (and every ``raydeep.memory_snapshot_every`` steps in between snapshots into memory); the session hears when each step starts and ends (its step watchdog reports a rank
    stuck in one) and gets each step's loss, tokens/s and MFU; rank 0 writes the step's row of
    ``<run>/metrics/`` (:mod:`raydeep.ray.step_metrics`), flushed before every checkpoint so
    each checkpointed step's row is on disk before the checkpoint can be resumed from;
@@ -53,6 +53,9 @@ class Session(Protocol):
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         """Checkpoint ``engine`` (collective: every rank calls it)."""
 
+    def snapshot(self, engine, tag: str, client_state: dict) -> None:
+        """Checkpoint ``engine`` into memory, if the session keeps snapshots (collective)."""
+
     def attempt_started(self, record: dict) -> None:
         """The attempt begins; ``record["attempt"]`` is its index in the run's attempt history."""
 
@@ -88,6 +91,7 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     state, ledger = _resume(session, engine, source)
     attempt = {"driver": session.driver_id, "world_size": world, "micro_batch": plan.micro_batch,
                "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time(),
+               "restored_from": getattr(session, "restored_from", None),
                "skipped_checkpoints": [list(entry) for entry in session.skipped]}
     attempts = list(state.get("attempts", [])) + [attempt]
     restarts = len(attempts) - 1  # this attempt's index in the run's history
@@ -108,11 +112,16 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         metrics.record(engine.step_metrics, loss=last_loss, step_s=seconds, rates=rates, phase=engine.tier.phase,
                        saving=saving)
         session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
-        if saving:
+        snapshot_due = bool(options.memory_snapshot_every and step % options.memory_snapshot_every == 0)
+        if saving or snapshot_due:
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
+        if saving:
             _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
                         checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest))
+        elif snapshot_due:
+            metrics.before_checkpoint()  # a snapshot resumed from has its steps' rows on disk too
+            session.snapshot(engine, f"global_step{step}", client_state)
 
     metrics.close()
     params = consolidated_fp32(engine)

@@ -4,8 +4,11 @@
 - ``samples_sha256``: the sample ledger's digest of the ids consumed, in order (:mod:`raydeep.ray.ledger`);
 - ``world_sizes``: one entry per attempt, earlier drivers' attempts (from the checkpoint's history)
   followed by this driver's (from the monitor, including attempts that died before checkpointing);
-- ``recoveries``: for each restart seen by this driver, the stall between the last step of the
-  failed attempt and the first step of the next one (the kill itself happened in between);
+- ``recoveries``: for each restart seen by this driver, where the state came from
+  (``restored_from``: ``checkpoint <tag>`` or ``memory snapshot <tag>``), the step it resumed at,
+  the steps the failed attempt had completed past it (``steps_lost``, computed again), and the
+  stall between the last step of the failed attempt and the first step of the next one (the kill
+  itself happened in between);
 - ``samples_per_s``: samples this driver advanced the run by, over its wall time (start-up and
   recoveries included);
 - ``attempts[i].skipped_checkpoints``: ``[tag, reason]`` of damaged checkpoints an attempt passed
@@ -25,13 +28,13 @@ import json
 import pyarrow.fs as pafs
 
 
-ATTEMPT_FIELDS = ("world_size", "micro_batch", "grad_accum", "resumed_from_step")
+ATTEMPT_FIELDS = ("world_size", "micro_batch", "grad_accum", "resumed_from_step", "restored_from")
 
 
 def build_summary(spec, result: dict, snapshot: dict, driver_id: str, started: float, ended: float) -> dict:
     seen = snapshot.get("attempts", [])
     earlier = [a for a in result["attempts"] if a["driver"] != driver_id]
-    attempts = [{k: a[k] for k in ATTEMPT_FIELDS} for a in earlier + seen]
+    attempts = [{k: a.get(k) for k in ATTEMPT_FIELDS} for a in earlier + seen]
     for record, attempt in zip(attempts, earlier + seen):
         if attempt.get("skipped_checkpoints"):  # damaged checkpoints this attempt resumed past
             record["skipped_checkpoints"] = attempt["skipped_checkpoints"]
@@ -59,8 +62,10 @@ def recoveries(attempts: list[dict]) -> list[dict]:
         stall = None
         if before.get("last_step_at") and after.get("first_step_at"):
             stall = after["first_step_at"] - before["last_step_at"]
-        out.append({"attempt": after["index"], "world_size": after["world_size"],
-                    "last_step_before": before.get("last_step"), "resumed_from_step": after["resumed_from_step"],
+        last = before.get("last_step")
+        out.append({"attempt": after["index"], "world_size": after["world_size"], "last_step_before": last,
+                    "resumed_from_step": after["resumed_from_step"], "restored_from": after.get("restored_from"),
+                    "steps_lost": None if last is None else max(0, last - after["resumed_from_step"]),
                     "stall_s": stall})
     return out
 

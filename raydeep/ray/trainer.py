@@ -26,6 +26,7 @@ from raydeep.config.sections import RaydeepSection
 from raydeep.errors import InputError
 from raydeep.ray.batch_plan import BatchSchedule, plan_batches
 from raydeep.ray.failures import RaydeepFailurePolicy, deterministic_error
+from raydeep.ray.memory_snapshots import start_store
 from raydeep.ray.ray_private import DatasetsCallback, canonicalize_bootstrap_address
 from raydeep.ray.run_monitor import start_monitor
 from raydeep.ray.progress import HangPrinter, MonitorPoller
@@ -138,8 +139,9 @@ def _join_running(spec: TrainSpec, address: str, log_to_driver: bool) -> None:
 
 
 def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, monitor=None, driver_id: str = "",
-                  callbacks: Sequence = ()):
-    """The ``TorchTrainer`` for ``spec``; ``callbacks`` are Ray Train ``UserCallback``s (e.g. Tune's)."""
+                  callbacks: Sequence = (), snapshot_store=None):
+    """The ``TorchTrainer`` for ``spec``; ``callbacks`` are Ray Train ``UserCallback``s (e.g. Tune's);
+    ``snapshot_store``: the run's :class:`~raydeep.ray.memory_snapshots.SnapshotStore`, if it keeps one."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -153,7 +155,8 @@ def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, mon
                     worker_runtime_env={"env_vars": worker_env} if worker_env else None)
     # backend=None: Ray Train picks it (nccl on GPU workers, gloo on CPU ones).
     torch_config = TorchConfig(backend=None, timeout_s=options.collective_timeout_s)
-    config = {"spec": spec, "ds_config": ds_config, "schedule": schedule, "monitor": monitor, "driver_id": driver_id}
+    config = {"spec": spec, "ds_config": ds_config, "schedule": schedule, "monitor": monitor, "driver_id": driver_id,
+              "snapshot_store": snapshot_store}
     return RaydeepTorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run,
                                torch_config=torch_config)
 
@@ -198,7 +201,10 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     connect(spec, address, log_to_driver)
     driver_id = uuid.uuid4().hex
     monitor = start_monitor()
-    trainer = build_trainer(spec, ds_config, schedule, monitor, driver_id, callbacks)
+    options = RaydeepSection.model_validate(ds_config.get("raydeep") or {})
+    # The driver owns the snapshot store: it outlives every worker group and dies with the driver.
+    snapshots = start_store() if options.memory_snapshot_every else None
+    trainer = build_trainer(spec, ds_config, schedule, monitor, driver_id, callbacks, snapshots)
     # Hangs are printed whoever watches the run: a stuck rank is news to a library caller too.
     poller = MonitorPoller(monitor, [on_progress, HangPrinter()], poll_interval_s)
     started = time.time()
@@ -213,6 +219,8 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     finally:
         snapshot = poller.stop()
         ray.kill(monitor)
+        if snapshots is not None:
+            ray.kill(snapshots)
     summary = build_summary(spec, result.return_value, snapshot, driver_id, started, time.time())
     write_json(f"{spec.run_uri}/summary.json", summary)
     return summary

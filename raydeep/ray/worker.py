@@ -12,6 +12,10 @@ attempt. The session adds raydeep's part:
 - the restore reads the newest committed checkpoint (Ray Train's, or a newer one raydeep's
   ``latest`` names), resharding when the world size changed; a damaged one (a file failing its
   sha256) is passed over for the newest intact one, with a warning the driver shows;
+- with ``raydeep.memory_snapshot_every``, the same save goes every N steps into the memory of the
+  driver's snapshot store (:mod:`raydeep.ray.memory_snapshots`), and the restore takes the newest
+  intact snapshot when it is further along than the newest checkpoint (a store that cannot be read
+  is reported, and the checkpoint is used);
 - step events go to the driver's :class:`~raydeep.ray.run_monitor.RunMonitor` (with the DeepSpeed
   console lines rank 0 logged in the step, :mod:`raydeep.console_lines`) and, from rank 0, to
   Prometheus gauges (:mod:`raydeep.ray.gauges`); each checkpoint's report carries the step's
@@ -53,7 +57,8 @@ def train_loop_per_worker(config: dict) -> dict:
     spec = config["spec"]
     # One intra-op thread per reserved CPU: the same math (and so the same bits) on every attempt.
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
-    session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at, config["ds_config"])
+    session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at, config["ds_config"],
+                         config.get("snapshot_store"))
     try:
         return run_training(spec, config["ds_config"], config["schedule"], session)
     finally:
@@ -91,8 +96,11 @@ def resume_candidates(storage: Storage, reported: str | None) -> tuple[list[str]
 class RaySession:
     """Checkpoints through ``ray.train.report``, resume from ``ray.train.get_checkpoint`` (see above)."""
 
-    def __init__(self, spec, monitor, driver_id: str, entered_at: float, ds_config: dict | None = None):
+    def __init__(self, spec, monitor, driver_id: str, entered_at: float, ds_config: dict | None = None,
+                 snapshot_store=None):
         from ray.train.collective import broadcast_from_rank_zero
+
+        from raydeep.ray.memory_snapshots import snapshot_storage
 
         context = ray.train.get_context()
         storage = context.get_storage()
@@ -102,6 +110,9 @@ class RaySession:
         self.checkpoint_fs_path = posixpath.join(storage.experiment_fs_path, "checkpoints")
         self.monitor, self.driver_id, self.entered_at = monitor, driver_id, entered_at
         self.skipped: list[tuple[str, str]] = []  # damaged checkpoints the restore passed over
+        self.snapshots = snapshot_storage(snapshot_store, spec.name) if snapshot_store is not None else None
+        self.restored_from: str | None = None  # "checkpoint <tag>" / "memory snapshot <tag>"
+        self.snapshots_lost: str | None = None  # why the snapshot store could not be read, if it could not
         # One id per attempt, agreed by all ranks, so the monitor can group this attempt's reports;
         # and the lowest attempt number no earlier attempt's diagnostics use, so none overwrites them.
         self.token, self.unused_attempt = broadcast_from_rank_zero(
@@ -126,12 +137,55 @@ class RaySession:
         is skipped with a warning, and ``self.skipped`` says which and why."""
         checkpoint = ray.train.get_checkpoint()
         reported = posixpath.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
-        tags, damaged = resume_candidates(Storage.open(self.checkpoint_uri), reported)
+        storage = Storage.open(self.checkpoint_uri)
+        tags, damaged = resume_candidates(storage, reported)
+        newest = max((step for step, _ in committed_tags(storage)), default=0)
+        restored = self._restore_snapshot(engine, newest)
+        if restored is not None:
+            return restored
         if not tags and not damaged:
             return None
         # The checkpointer logs each damaged tag; the driver shows them from the attempt record.
-        _, client_state, self.skipped = engine.load_first_intact(self.checkpoint_uri, tags, damaged)
+        tag, client_state, self.skipped = engine.load_first_intact(self.checkpoint_uri, tags, damaged)
+        self.restored_from = f"checkpoint {tag}" + (f" (memory snapshots lost: {self.snapshots_lost})"
+                                                    if self.snapshots_lost else "")
         return client_state
+
+    def _restore_snapshot(self, engine, newer_than: int) -> dict | None:
+        """The newest intact memory snapshot past step ``newer_than`` loaded into ``engine``
+        (its client_state), or None: none is newer, or the store is lost or holds none intact
+        (a warning says so; the caller loads the storage checkpoint)."""
+        if self.snapshots is None:
+            return None
+        try:
+            tags = [tag for step, tag in reversed(committed_tags(self.snapshots)) if step > newer_than]
+            if not tags:
+                return None
+            tag, client_state, _ = engine.load_first_intact(self.snapshots, tags)
+        except (ray.exceptions.RayError, CheckpointError) as err:
+            self.snapshots_lost = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            if self.rank == 0:
+                logger.warning("memory snapshots lost (%s): resuming from the storage checkpoint instead",
+                               self.snapshots_lost)
+            self.snapshots = None  # a store that failed once is not written to again
+            return None
+        self.restored_from = f"memory snapshot {tag}"
+        return client_state
+
+    def snapshot(self, engine, tag: str, client_state: dict) -> None:
+        """Save into the snapshot store (every rank). A store that cannot be written is reported
+        once and left alone: storage checkpoints still protect the run."""
+        if self.snapshots is None:
+            return
+        from raydeep.ray.memory_snapshots import KEEP
+
+        try:
+            engine.save_checkpoint(self.snapshots, tag=tag, client_state=client_state, keep_last_k=KEEP)
+        except (ray.exceptions.RayError, CheckpointError, OSError) as err:
+            if self.rank == 0:
+                logger.warning("memory snapshot %s failed (%s: %s); snapshots are off for this attempt", tag,
+                               type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            self.snapshots = None
 
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         from ray.train import Checkpoint, CheckpointUploadMode

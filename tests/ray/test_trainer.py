@@ -205,6 +205,63 @@ def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(stor
     assert summary["param_sha256"] == param_sha256(straight["params"])
 
 
+def snapshot_config(every: int = 1) -> dict:
+    """The default ds_config with memory snapshots every ``every`` steps (they change no arithmetic)."""
+    import copy
+
+    from raydeep.ray.spec import DEFAULT_DS_CONFIG
+
+    return {**copy.deepcopy(DEFAULT_DS_CONFIG), "raydeep": {"memory_snapshot_every": every}}
+
+
+def _snapshot_stores() -> list:
+    from ray.util.state import list_actors
+
+    return list_actors(filters=[("class_name", "=", "SnapshotStore")], detail=True, raise_on_missing_output=False)
+
+
+def test_sigkill_between_checkpoints_resumes_from_the_memory_snapshot(uninterrupted, storage):
+    """Snapshots every step, checkpoints every 4: rank 1 is killed two steps past a checkpoint,
+    and the next worker group resumes from the newest snapshot in the driver's store instead of
+    the checkpoint, losing at most the step in flight; the run ends bitwise equal to the
+    uninterrupted one and consumes every sample once. The store goes with the run."""
+    kill = KillRankOne(after_step=EVERY + 2)
+    summary = fit(spec_for(storage, "snapshot-killed", ds_config=snapshot_config()), on_progress=kill)
+    assert kill.killed_at is not None and summary["restarts"] == 1
+    recovery = summary["recoveries"][0]
+    print(f"\nSIGKILL of rank 1 at step {kill.step} (checkpoint every {EVERY}): {recovery}")
+    assert recovery["restored_from"].startswith("memory snapshot global_step")
+    assert recovery["resumed_from_step"] > EVERY * (kill.step // EVERY)  # past the last checkpoint
+    assert recovery["steps_lost"] <= 1  # at most the step whose snapshot the kill interrupted
+    assert summary["param_sha256"] == uninterrupted["param_sha256"]
+    assert summary["samples_sha256"] == uninterrupted["samples_sha256"] == expected_samples_sha256()
+    assert [a["state"] for a in _snapshot_stores()].count("ALIVE") == 0
+
+
+class KillRankOneAndTheStore(KillRankOne):
+    """SIGKILL the snapshot store's process, then rank 1: both copies of the recent state gone."""
+
+    def __call__(self, snapshot: dict) -> None:
+        latest = snapshot["latest"]
+        if self.killed_at is None and latest and latest["step"] >= self.after_step:
+            for store in _snapshot_stores():
+                if store["state"] == "ALIVE":
+                    os.kill(store["pid"], signal.SIGKILL)
+        super().__call__(snapshot)
+
+
+def test_a_lost_snapshot_store_falls_back_to_the_checkpoint(uninterrupted, storage):
+    kill = KillRankOneAndTheStore(after_step=EVERY + 2)
+    summary = fit(spec_for(storage, "snapshot-lost", ds_config=snapshot_config()), on_progress=kill)
+    assert kill.killed_at is not None and summary["restarts"] == 1
+    recovery = summary["recoveries"][0]
+    print(f"\nstore and rank 1 killed at step {kill.step}: {recovery}")
+    assert recovery["restored_from"].startswith(f"checkpoint global_step{EVERY} (memory snapshots lost: ")
+    assert recovery["resumed_from_step"] == EVERY
+    assert summary["param_sha256"] == uninterrupted["param_sha256"]
+    assert summary["samples_sha256"] == expected_samples_sha256()  # nothing counted twice
+
+
 def _flip_a_byte(path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # inside the tensor data: the file still parses, its sha256 does not match
@@ -289,16 +346,18 @@ class RemoveNodeOfRankOne:
 
 
 def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, uninterrupted, storage, monkeypatch):
-    """Elastic run (1 to 2 workers, on the shared cluster's two trainer nodes): the node of rank 1
-    disappears; the run continues on the other with the same global batch (twice the
-    accumulation), its ZeRO-3 state resharded from 2 ranks to 1, the same samples, and the
-    uninterrupted run's loss and weights up to rounding. A new trainer node then takes the lost
-    one's place, for the modules that follow.
+    """Elastic run (1 to 2 workers, on the shared cluster's two trainer nodes) with a memory
+    snapshot every step: the node of rank 1 disappears; the run continues on the other from the
+    newest snapshot (not the last checkpoint) with the same global batch (twice the
+    accumulation), its ZeRO-3 state resharded from 2 ranks to 1 out of the driver's memory, the
+    same samples, and the uninterrupted run's loss and weights up to rounding. A new trainer node
+    then takes the lost one's place, for the modules that follow.
 
     A worker group that cannot be placed is given up on after 3 s (Ray Train's wait for its
     placement group, which starting the actors is not part of) and retried at the size that fits."""
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")  # read by the controller fit() starts
-    spec = spec_for(storage, "elastic", num_workers=(1, 2), export_fp32=True, resources_per_worker={"trainer": 1})
+    spec = spec_for(storage, "elastic", num_workers=(1, 2), export_fp32=True, resources_per_worker={"trainer": 1},
+                    ds_config=snapshot_config())
     loss = RemoveNodeOfRankOne(shared_ray.cluster, shared_ray.trainers, after_step=EVERY + 2)
     try:
         summary = fit(spec, on_progress=loss)
@@ -315,6 +374,8 @@ def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, unint
     param_gap = max_abs_difference(load_fp32(f"{spec.run_uri}/model_fp32.safetensors"),
                                    load_fp32(str(storage / "uninterrupted" / "model_fp32.safetensors")))
     on_one = next(a for a in loss.attempts if a["world_size"] == 1)
+    assert on_one["restored_from"].startswith("memory snapshot global_step"), on_one["restored_from"]
+    assert on_one["resumed_from_step"] > EVERY * (loss.step // EVERY)  # past the last checkpoint
     print(f"\nnode of rank 1 removed at step {loss.step}: continued on 1 worker from step "
           f"{on_one['resumed_from_step']}, first step {on_one['first_step_at'] - loss.removed_at:.1f} s after the "
           f"removal; world sizes {summary['world_sizes']}; final loss {summary['final_loss']:.6f} vs "

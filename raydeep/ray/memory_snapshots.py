@@ -1,0 +1,191 @@
+"""In-memory snapshots: the run's recent state in another process's memory, for a restart that
+loses no step since the last storage checkpoint (``raydeep.memory_snapshot_every``).
+
+A snapshot *is* a checkpoint, written by the engine's own checkpointer to a filesystem whose
+files live in a :class:`SnapshotStore` actor: the same files, manifest and sha256s, the same
+commit protocol (the manifest, written last, commits a tag; a tag without one is never loaded),
+the same resharding on load at another world size, the same ``client_state`` (the sample ledger
+and the run's counters, so exactly-once holds). Only where the bytes go differs.
+
+The driver creates the store (:func:`start_store`) and kills it when the run ends, so it outlives
+every worker group of the run and dies with the driver. Storage checkpoints stay the durable tier
+on their own cadence; a restart loads whichever of the newest intact snapshot and the newest
+checkpoint is further along, and falls back to the checkpoint (with a warning naming what was
+lost) when the store cannot be read.
+
+>>> import ray  # doctest: +SKIP
+>>> store = start_store()  # doctest: +SKIP
+>>> storage = snapshot_storage(store, "run")  # doctest: +SKIP
+>>> storage.write("a/b", b"hi"); storage.read("a/b")  # doctest: +SKIP
+b'hi'
+"""
+from __future__ import annotations
+
+import io
+import posixpath
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import ray
+
+from raydeep.storage import Storage
+
+KEEP = 2  # snapshots kept: the newest, and the one before it while the newest is written
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class SnapshotStore:
+    """Files by path, in this process's memory; directories are the paths' prefixes and the ones
+    created explicitly."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.dirs: set[str] = {"/"}
+
+    def put(self, path: str, data: bytes) -> None:
+        self._make_dir(posixpath.dirname(path))
+        self.files[path] = data
+
+    def get(self, path: str) -> bytes:
+        if path not in self.files:
+            raise FileNotFoundError(path)
+        return self.files[path]
+
+    def info(self, paths: list[str]) -> list[tuple[str, int]]:
+        """("file", size), ("dir", 0) or ("none", 0) for each path."""
+        return [("file", len(self.files[p])) if p in self.files else ("dir", 0) if p in self.dirs else ("none", 0)
+                for p in paths]
+
+    def children(self, base: str, recursive: bool) -> list[tuple[str, str, int]]:
+        """(path, kind, size) under ``base``; None when ``base`` is no directory."""
+        if base not in self.dirs:
+            return None
+        prefix = base.rstrip("/") + "/"
+        out = [(d, "dir", 0) for d in self.dirs if d.startswith(prefix) and d != prefix]
+        out += [(f, "file", len(data)) for f, data in self.files.items() if f.startswith(prefix)]
+        if not recursive:
+            out = [entry for entry in out if "/" not in entry[0][len(prefix):]]
+        return out
+
+    def make_dir(self, path: str) -> None:
+        self._make_dir(path)
+
+    def delete(self, path: str, contents_only: bool = False) -> None:
+        prefix = path.rstrip("/") + "/"
+        self.files = {f: d for f, d in self.files.items() if not f.startswith(prefix) and f != path}
+        self.dirs = {d for d in self.dirs if not d.startswith(prefix) and (contents_only or d != path)}
+
+    def move(self, src: str, dst: str) -> None:
+        if src in self.files:
+            self.put(dst, self.files.pop(src))
+            return
+        prefix = src.rstrip("/") + "/"
+        for f in [f for f in self.files if f.startswith(prefix)]:
+            self.put(dst + f[len(src):], self.files.pop(f))
+        self.dirs = {dst + d[len(src):] if d == src or d.startswith(prefix) else d for d in self.dirs}
+
+    def bytes_held(self) -> int:
+        return sum(len(d) for d in self.files.values())
+
+    def _make_dir(self, path: str) -> None:
+        while path and path not in self.dirs:
+            self.dirs.add(path)
+            path = posixpath.dirname(path)
+
+
+def start_store():
+    """The run's store, made by the driver: its owner, so the store outlives every worker group
+    and dies with the driver. Pinned to the driver's node (as the run monitor is), which is not a
+    rank's node on a cluster whose head trains nothing: losing a worker node never loses it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return SnapshotStore.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
+
+
+class _Upload(io.RawIOBase):
+    """A file being written: the whole of it goes to the store when it is closed."""
+
+    def __init__(self, store, path: str):
+        self.store, self.path, self.chunks = store, path, []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.chunks.append(bytes(data))
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            ray.get(self.store.put.remote(self.path, b"".join(self.chunks)))
+            self.chunks = []
+        super().close()
+
+
+class StoreHandler(pafs.FileSystemHandler):
+    """A pyarrow filesystem over a :class:`SnapshotStore`: what :class:`Storage` needs of one."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def get_type_name(self) -> str:
+        return "raydeep-snapshots"
+
+    def normalize_path(self, path: str) -> str:
+        return path
+
+    def get_file_info(self, paths):
+        kinds = ray.get(self.store.info.remote(list(paths)))
+        return [_info(p, kind, size) for p, (kind, size) in zip(paths, kinds)]
+
+    def get_file_info_selector(self, selector):
+        found = ray.get(self.store.children.remote(selector.base_dir, selector.recursive))
+        if found is None:
+            if selector.allow_not_found:
+                return []
+            raise FileNotFoundError(selector.base_dir)
+        return [_info(p, kind, size) for p, kind, size in found]
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        ray.get(self.store.make_dir.remote(path))
+
+    def delete_dir(self, path: str) -> None:
+        ray.get(self.store.delete.remote(path))
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        ray.get(self.store.delete.remote(path, True))
+
+    def delete_root_dir_contents(self) -> None:
+        ray.get(self.store.delete.remote("/", True))
+
+    def delete_file(self, path: str) -> None:
+        ray.get(self.store.delete.remote(path))
+
+    def move(self, src: str, dest: str) -> None:
+        ray.get(self.store.move.remote(src, dest))
+
+    def copy_file(self, src: str, dest: str) -> None:
+        ray.get(self.store.put.remote(dest, ray.get(self.store.get.remote(src))))
+
+    def open_input_stream(self, path: str):
+        return pa.BufferReader(ray.get(self.store.get.remote(path)))
+
+    def open_input_file(self, path: str):
+        return pa.BufferReader(ray.get(self.store.get.remote(path)))
+
+    def open_output_stream(self, path: str, metadata=None):
+        return pa.PythonFile(_Upload(self.store, path), mode="w")
+
+    def open_append_stream(self, path: str, metadata=None):
+        raise NotImplementedError("snapshot files are written whole")
+
+
+def _info(path: str, kind: str, size: int) -> pafs.FileInfo:
+    kinds = {"file": pafs.FileType.File, "dir": pafs.FileType.Directory, "none": pafs.FileType.NotFound}
+    return pafs.FileInfo(path, kinds[kind], size=size if kind == "file" else None)
+
+
+def snapshot_storage(store, run_name: str) -> Storage:
+    """The store as a run directory the checkpointer writes to and reads from."""
+    return Storage(pafs.PyFileSystem(StoreHandler(store)), "/snapshots", f"memory://{run_name}/snapshots")
