@@ -87,19 +87,25 @@ def _timed(fn, reps: int) -> float:
     return statistics.median(took)
 
 
-def measure_links(reps: int = 30) -> tuple[float, float]:
-    """(latency seconds, bytes per second each rank sends) of raydeep's all-gather on this group."""
+def measure_links(per_node: int, reps: int = 30) -> tuple[float, float, float | None]:
+    """(latency seconds across all ranks, bytes per second each rank sends, latency seconds inside
+    a declared node, or None with one rank a node) of raydeep's all-gather."""
     import torch.distributed as dist
 
     from raydeep import comm
 
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nodes = [dist.new_group(list(range(n, n + per_node))) for n in range(0, world, per_node)]  # every rank makes each
     small, big = torch.zeros(8), torch.randn(1 << 19)  # 32 bytes; 2 MB per rank
     small_out, big_out = torch.empty(world * small.numel()), torch.empty(world * big.numel())
     latency = _timed(lambda: comm.all_gather(small_out, small), reps)
     moved = _timed(lambda: comm.all_gather(big_out, big), max(5, reps // 5))
     sent = (world - 1) / world * big_out.numel() * big_out.element_size()
-    return latency, sent / max(moved - latency, 1e-9)
+    inside = None
+    if per_node > 1:
+        node_out = torch.empty(per_node * small.numel())
+        inside = _timed(lambda: comm.all_gather(node_out, small, group=nodes[rank // per_node]), reps)
+    return latency, sent / max(moved - latency, 1e-9), inside
 
 
 def measure(opts) -> dict:
@@ -110,9 +116,9 @@ def measure(opts) -> dict:
 
     os.environ["LOCAL_WORLD_SIZE"] = str(opts.per_node)  # the declared nodes ZeRO++'s groups follow
     rank, world = dist.get_rank(), dist.get_world_size()
-    latency, bandwidth = measure_links()
+    latency, bandwidth, inside = measure_links(opts.per_node)
     vocab = build_model(opts).config.vocab_size
-    out = {"latency": latency, "bandwidth": bandwidth, "cases": {}}
+    out = {"latency": latency, "bandwidth": bandwidth, "intra_node_latency": inside, "cases": {}}
     for case in CASES:
         engine, *_ = raydeep.initialize(model=build_model(opts), config=ds_config(opts, case))
         micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -135,18 +141,18 @@ def measure(opts) -> dict:
     return out
 
 
-def predict(opts, case: str, latency: float, bandwidth: float, rates, step_latency: float | None = None) -> dict:
+def predict(opts, case: str, latency: float, bandwidth: float, rates, inside: float | None = None) -> dict:
     from raydeep.config import load_config
-    from raydeep.doctor.network import links_seconds
+    from raydeep.doctor.network import latency_seconds, links_seconds
     from raydeep.doctor.shape import ModelShape
     from raydeep.doctor.traffic import predict_traffic
 
     cfg = load_config(ds_config(opts, case), world_size=opts.world)
     traffic = predict_traffic(cfg, ModelShape.from_module(build_model(opts), opts.seq), opts.per_node)
     return {"collectives": sum(traffic.calls_by_op.values()), "bytes": traffic.total,
-            "comm_s": links_seconds(traffic, bandwidth, bandwidth, latency),
+            "comm_s": links_seconds(traffic, bandwidth, bandwidth, latency, inside),
             "moved_s": links_seconds(traffic, bandwidth, bandwidth, 0.0),
-            "latency_s": latency * sum(traffic.calls_by_op.values()), "codec_s": rates.seconds(traffic.codec_passes)}
+            "latency_s": latency_seconds(traffic, latency, inside), "codec_s": rates.seconds(traffic.codec_passes)}
 
 
 def run(opts) -> dict:
@@ -156,6 +162,7 @@ def run(opts) -> dict:
     per_rank = on_gloo_ranks(opts.world, measure, (opts,), threads=1)
     latency = statistics.median(r["latency"] for r in per_rank)
     bandwidth = min(r["bandwidth"] for r in per_rank)
+    inside = None if opts.per_node == 1 else statistics.median(r["intra_node_latency"] for r in per_rank)
     torch.set_num_threads(1)  # as each rank ran
     rates = measure_codec_rates(numel=1 << 18)
     rows = []
@@ -166,14 +173,16 @@ def run(opts) -> dict:
             plain = predict(opts, case, latency, bandwidth, rates)
             step_latency = max(0.0, statistics.mean(blocked) - plain["moved_s"]) / plain["collectives"]
         steps = [max(c["walls"][s] for c in counted) for s in range(opts.steps)]  # the slowest rank's
-        predicted = predict(opts, case, latency, bandwidth, rates)
-        predicted["calibrated_s"] = predicted["moved_s"] + step_latency * predicted["collectives"]
+        predicted = predict(opts, case, latency, bandwidth, rates, inside)
+        # both latencies scaled by what a step's collectives cost against the measured ones
+        predicted["calibrated_s"] = predicted["moved_s"] + predicted["latency_s"] * step_latency / latency
         rows.append({"case": case, "predicted": predicted,
                      "collectives": sum(s["calls"] for s in counted[0]["ops"].values()),
                      "bytes": sum(s["bytes"] for s in counted[0]["ops"].values()),
                      "blocked_s": statistics.mean(blocked), "blocked_min_s": min(blocked),
                      "blocked_max_s": max(blocked), "step_s": statistics.median(steps)})
     return {"setup": {k: v for k, v in vars(opts).items() if k != "json"}, "latency_s": latency,
+            "intra_node_latency_s": inside,
             "step_latency_s": step_latency,
             "bandwidth_bytes_s": bandwidth, "codec": rates.source, "rows": rows,
             "load_average": os.getloadavg()[0]}
@@ -185,7 +194,10 @@ def render(result: dict) -> str:
              f"{s['per_node']}, bf16, stage3_max_reuse_distance {s['reuse']}, prefetch and overlap_comm "
              f"{'on' if s['overlap'] else 'off'}, {'ranks aligned before each collective, ' if s['aligned'] else ''}"
              f"{s['steps']} steps; loopback links "
-             f"measured: latency {result['latency_s'] * 1e3:.2f} ms a collective, "
+             f"measured: latency {result['latency_s'] * 1e3:.2f} ms a collective"
+             + ("" if result["intra_node_latency_s"] is None else
+                f" ({result['intra_node_latency_s'] * 1e3:.2f} ms inside a node)") + ", "
+             f"
              f"{result['bandwidth_bytes_s'] / 1e9:.2f} GB/s sent per rank; load {result['load_average']:.1f}",
              f"{'case':<17}{'collectives':>16}{'bytes':>22}{'doctor ms':>11}{'calibrated':>12}{'blocked ms':>22}"
              f"{'doctor/blocked':>16}{'calibrated/blocked':>20}{'codec ms':>10}{'step ms':>9}"]
@@ -197,9 +209,9 @@ def render(result: dict) -> str:
                      f"{p['comm_s'] / r['blocked_s']:>13.2f}{p['calibrated_s'] / r['blocked_s']:>20.2f}"
                      f"{p['codec_s'] * 1e3:>10.1f}{r['step_s'] * 1e3:>9.0f}")
     lines.append("(collectives and bytes: the doctor's / counted by the engine, per step and rank; doctor ms: "
-                 "latency x collectives + bytes / bandwidth; calibrated: the same with the latency a collective had "
-                 f"inside ZeRO-3's steps, {result['step_latency_s'] * 1e3:.2f} ms: its blocked time less its bytes' "
-                 "time, per collective)")
+                 "latency x collectives + bytes / bandwidth, a collective inside a node at its own latency; calibrated: "
+                 f"the latencies scaled to what a collective cost inside ZeRO-3's steps, {result['step_latency_s'] * 1e3:.2f}"
+                 " ms: its blocked time less its bytes' time, per collective)")
     return "\n".join(lines)
 
 

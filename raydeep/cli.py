@@ -99,13 +99,13 @@ def _network_rates(args: argparse.Namespace, gpus_per_node: int):
 
     if args.bandwidth is None:
         for flag, value in (("--intra-node-bandwidth", args.intra_node_bandwidth), ("--quantize-rate", args.quantize_rate),
-                            ("--latency", args.latency)):
+                            ("--latency", args.latency), ("--intra-node-latency", args.intra_node_latency)):
             if value is not None:
                 raise InputError(flag, "only the communication-time model reads it, and it runs with --bandwidth",
                                  value=value, fix="add --bandwidth, e.g. --bandwidth 25Gbps")
         return None, None
-    from raydeep.doctor.network import (DEFAULT_INTRA_NODE, DEFAULT_LATENCY, CodecRates, Links, bandwidth_per_rank,
-                                        measure_codec_rates, parse_latency)
+    from raydeep.doctor.network import (DEFAULT_INTRA_NODE, DEFAULT_INTRA_NODE_LATENCY, DEFAULT_LATENCY, CodecRates,
+                                        Links, bandwidth_per_rank, measure_codec_rates, parse_latency)
 
     speeds = []
     for flag, text in (("--bandwidth", args.bandwidth), ("--intra-node-bandwidth", args.intra_node_bandwidth or DEFAULT_INTRA_NODE)):
@@ -115,13 +115,16 @@ def _network_rates(args: argparse.Namespace, gpus_per_node: int):
             raise InputError(flag, "is not a bandwidth", value=text,
                              fix="write bits per second as 25Gbps (or 25Gb/s) or bytes per second as 600GB (or "
                                  "600GB/s); add /node for a node's links shared by its GPUs, e.g. 100Gbps/node") from None
-    try:
-        latency = parse_latency(args.latency or DEFAULT_LATENCY)
-    except ValueError:
-        raise InputError("--latency", "is not a latency", value=args.latency,
-                         fix="write the seconds a small collective takes, e.g. 50us, 0.2ms or 1e-5") from None
+    latencies = []
+    for flag, text, default in (("--latency", args.latency, DEFAULT_LATENCY),
+                                ("--intra-node-latency", args.intra_node_latency, DEFAULT_INTRA_NODE_LATENCY)):
+        try:
+            latencies.append(parse_latency(text or default))
+        except ValueError:
+            raise InputError(flag, "is not a latency", value=text,
+                             fix="write the seconds a small collective takes, e.g. 50us, 0.2ms or 1e-5") from None
     rates = CodecRates.given(args.quantize_rate) if args.quantize_rate else measure_codec_rates()
-    return Links(*speeds, latency), rates
+    return Links(*speeds, *latencies), rates
 
 
 def _offload_rates(args: argparse.Namespace):
@@ -287,8 +290,11 @@ def _add_doctor_parser(sub) -> None:
                          "25Gbps (bits) or 3GB (bytes per second); 100Gbps/node for a node's NICs shared by its GPUs")
     network.add_argument("--intra-node-bandwidth", metavar="RATE", help="per rank inside a node, each way (default "
                          "300GB: NVLink 3; an H100's NVLink 4 is 450GB)")
-    network.add_argument("--latency", metavar="SECONDS", help="what each collective costs whatever its size, e.g. "
-                         "50us (default: a small NCCL collective between nodes); nccl-tests' smallest sizes measure it")
+    network.add_argument("--latency", metavar="SECONDS", help="what each collective across nodes costs whatever its "
+                         "size, e.g. 50us (default: a small NCCL collective between nodes); nccl-tests' smallest sizes "
+                         "measure it")
+    network.add_argument("--intra-node-latency", metavar="SECONDS", help="the same for a collective inside a node "
+                         "(hpZ's gathers, qgZ's first phase; default 10us)")
     network.add_argument("--quantize-rate", type=_parse_positive, metavar="ELEMS_PER_S",
                          help="elements per second of one quantize or dequantize pass on the training device (qwZ, "
                               "qgZ, 1-bit); default: measured on this machine (its GPU, else its CPU: far slower)")

@@ -39,6 +39,7 @@ from raydeep.estimate import GB, PRECISION_BYTES
 
 DEFAULT_INTRA_NODE = "300GB"  # per direction per GPU: NVLink 3 (A100); an H100's NVLink 4 is 450GB
 DEFAULT_LATENCY = "50us"  # a small-message NCCL collective between nodes: tens of microseconds
+DEFAULT_INTRA_NODE_LATENCY = "10us"  # the same inside a node, over NVLink
 CODECS = ("int8", "int4", "1bit")
 WORTH_IT = 0.05  # an option must save 5% of the plain communication time to be recommended
 
@@ -198,7 +199,8 @@ class Links:
 
     network: float
     intra_node: float
-    latency: float = 0.0
+    latency: float = 0.0  # a collective over ranks on several nodes
+    intra_node_latency: float | None = None  # one over the ranks of one node (None: ``latency``)
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,8 @@ class NetworkPlan:
     def describe(self) -> str:
         head = (f"communication per step on {self.nodes} node(s) x {self.gpus_per_node}: network "
                 f"{format_bandwidth(self.links.network)} per rank between nodes, "
-                f"{self.links.intra_node / GB:.0f} GB/s inside a node, {self.links.latency * 1e6:.3g} us a collective; "
+                f"{self.links.intra_node / GB:.0f} GB/s inside a node; a collective {self.links.latency * 1e6:.3g} us"
+                f"{'' if self.links.intra_node_latency is None else f', {self.links.intra_node_latency * 1e6:.3g} us inside a node'}; "
                 f"(de)quantization {self.rates.source}")
         rows = [f"  {'option':<34}{'cross-node':>12}{'intra-node':>12}{'network':>10}{'in node':>10}"
                 f"{'latency':>10}{'codec':>10}{'total':>10}  pays below"]
@@ -265,7 +268,7 @@ class NetworkPlan:
 
     def as_dict(self) -> dict:
         return {"bandwidth_bytes_s": self.links.network, "intra_node_bandwidth_bytes_s": self.links.intra_node,
-                "latency_s": self.links.latency,
+                "latency_s": self.links.latency, "intra_node_latency_s": self.links.intra_node_latency,
                 "codec_seconds_per_element": self.rates.seconds_per_element, "codec_source": self.rates.source,
                 "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
                 "options": [o.as_dict() for o in self.options],
@@ -302,33 +305,43 @@ def plan_network(cfg, shape: ModelShape, cluster: Cluster, links: Links, rates: 
     return NetworkPlan(links, rates, plan.nodes, per_node, options, best, _verdict(plan, stage))
 
 
-def links_seconds(traffic: Traffic, network: float, intra_node: float, latency: float = 0.0) -> float:
+def links_seconds(traffic: Traffic, network: float, intra_node: float, latency: float = 0.0,
+                  intra_node_latency: float | None = None) -> float:
     """The step's communication time without the codecs: each op takes as long as its slower link
     (a ring keeps every link busy at once, so its network and in-node parts overlap), and the ops
     follow one another (qgZ's node phase waits for the in-node phase); each collective launched
-    adds ``latency``."""
+    adds ``latency``, or ``intra_node_latency`` when its ranks share a node."""
     moved = sum(max(cross / network, intra / intra_node) for intra, cross in traffic.links_by_op.values())
-    return moved + latency * sum(traffic.calls_by_op.values())
+    return moved + latency_seconds(traffic, latency, intra_node_latency)
+
+
+def latency_seconds(traffic: Traffic, latency: float, intra_node_latency: float | None = None) -> float:
+    """The collectives' fixed costs: ``latency`` each, ``intra_node_latency`` for one inside a node."""
+    inside = latency if intra_node_latency is None else intra_node_latency
+    calls = sum(traffic.calls_by_op.values())
+    return latency * (calls - traffic.in_node_calls) + inside * traffic.in_node_calls
 
 
 def _timed_option(links: Links, rates: CodecRates, name: str, settings: dict, traffic: Traffic, this: bool,
                   note: str) -> Option:
     return Option(name, settings, traffic, traffic.cross_node_bytes / links.network,
                   traffic.intra_node_bytes / links.intra_node,
-                  links_seconds(traffic, links.network, links.intra_node, links.latency),
-                  links.latency * sum(traffic.calls_by_op.values()), rates.seconds(traffic.codec_passes),
+                  links_seconds(traffic, links.network, links.intra_node, links.latency, links.intra_node_latency),
+                  latency_seconds(traffic, links.latency, links.intra_node_latency), rates.seconds(traffic.codec_passes),
                   this_config=this, note=note)
 
 
 def break_even(option: Option, reference: Option, intra_node: float, lowest: float = 1e6, highest: float = 1e14,
-               latency: float = 0.0) -> float:
+               latency: float = 0.0, intra_node_latency: float | None = None) -> float:
     """The highest network bandwidth (bytes/s per rank) at which ``option`` is faster than
     ``reference``: ``inf`` when it is faster even at ``highest``, 0 when not even at ``lowest``.
     Faster means less time per step, so an option that saves network bytes for compute pays
     below this bandwidth."""
     def wins(bandwidth: float) -> bool:
-        mine = links_seconds(option.traffic, bandwidth, intra_node, latency) + option.codec_s
-        return mine < links_seconds(reference.traffic, bandwidth, intra_node, latency) + reference.codec_s
+        def seconds(o: Option) -> float:
+            return links_seconds(o.traffic, bandwidth, intra_node, latency, intra_node_latency) + o.codec_s
+
+        return seconds(option) < seconds(reference)
 
     if wins(highest):
         return math.inf
@@ -347,7 +360,8 @@ def break_even(option: Option, reference: Option, intra_node: float, lowest: flo
 def _with_break_even(option: Option, plain: Option, links: Links) -> Option:
     return Option(option.name, option.settings, option.traffic, option.network_s, option.intra_node_s,
                   option.links_s, option.latency_s, option.codec_s,
-                  break_even(option, plain, links.intra_node, latency=links.latency), option.this_config, option.note)
+                  break_even(option, plain, links.intra_node, latency=links.latency,
+                             intra_node_latency=links.intra_node_latency), option.this_config, option.note)
 
 
 _ZEROPP = {"hpZ": "zero_hpz_partition_size", "qwZ": "zero_quantized_weights", "qgZ": "zero_quantized_gradients"}
@@ -401,7 +415,8 @@ def _allreduce_candidates(cfg, shape: ModelShape, per_node: int) -> list[tuple]:
 def _verdict(plan: NetworkPlan, stage: int) -> str:
     """One sentence in the spirit of the field report's 25 Gbps rule: what to use at this bandwidth,
     what it saves, and the bandwidth where the (de)quantization stops paying."""
-    plain, best, intra, latency = plan.options[0], plan.recommended, plan.links.intra_node, plan.links.latency
+    plain, best, intra = plan.options[0], plan.recommended, plan.links.intra_node
+    latency = {"latency": plan.links.latency, "intra_node_latency": plan.links.intra_node_latency}
     at = f"at {format_bandwidth(plan.links.network)} per rank between nodes"
     quantized = [o for o in plan.options if o.codec_s > 0]
     fastest = min(quantized, key=lambda o: o.total_s) if quantized else None
@@ -413,7 +428,7 @@ def _verdict(plan: NetworkPlan, stage: int) -> str:
             return f"{at} communication takes {_seconds(plain.total_s)} per step: keep {plain.name}"
         keep = "plain ZeRO-3" if stage == 3 else plain.name
         return (f"{at} the (de)quantization costs more than it saves ({fastest.name}: {_seconds(fastest.total_s)} "
-                f"against {_seconds(plain.total_s)} per step; {_pays_phrase(break_even(fastest, plain, intra, latency=latency))}): "
+                f"against {_seconds(plain.total_s)} per step; {_pays_phrase(break_even(fastest, plain, intra, **latency))}): "
                 f"keep {keep}")
     sets = " ".join(f"--set {k}={_json(v)}" for k, v in best.settings.items())
     text = f"{at} {best.name} cuts communication from {_seconds(plain.total_s)} to {_seconds(best.total_s)} per step"
@@ -422,10 +437,10 @@ def _verdict(plan: NetworkPlan, stage: int) -> str:
     text += f": use it ({sets})" + (f"; it {best.note}" if "secondary" in best.note else "")
     exact = min((o for o in plan.options if o.codec_s == 0), key=lambda o: o.total_s)
     if best.codec_s > 0 and exact is not best:
-        text += f". Against {exact.name} (exact values), {_pays_phrase(break_even(best, exact, intra, latency=latency))}"
+        text += f". Against {exact.name} (exact values), {_pays_phrase(break_even(best, exact, intra, **latency))}"
     elif fastest is not None:
         text += (f". Quantizing costs more than it saves here ({fastest.name}: {_seconds(fastest.total_s)}); "
-                 f"{_pays_phrase(break_even(fastest, best, intra, latency=latency))}")
+                 f"{_pays_phrase(break_even(fastest, best, intra, **latency))}")
     return text
 
 

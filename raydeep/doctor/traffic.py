@@ -79,6 +79,7 @@ class Traffic:
     # collectives launched per step, by op label as CommStats counts its calls (the gradient norm's
     # scalar all-reduce included): what a per-collective latency multiplies
     calls_by_op: dict[str, int] = field(default_factory=dict)
+    in_node_calls: int = 0  # of those, the collectives over ranks of one node (hpZ's, qgZ's first phase)
 
     @property
     def total(self) -> int:
@@ -95,15 +96,20 @@ class _Ledger:
         self.passes: dict[str, int] = {}
         self.links: dict[str, tuple[int, int]] = {}
         self.calls: dict[str, int] = {}
+        self.in_node_calls = 0
 
-    def launch(self, label: str, calls: int) -> None:
+    def launch(self, label: str, calls: int, in_node: bool | None = None) -> None:
+        """``calls`` collectives of ``label``; ``in_node``: over ranks of one node (by default,
+        when every rank shares one)."""
         if calls > 0:
             self.calls[label] = self.calls.get(label, 0) + int(calls)
+            if self.world <= self.per_node if in_node is None else in_node:
+                self.in_node_calls += int(calls)
 
     def _add(self, label: str, logical: int, sent: int, cross: int, phase: str = "", calls: int = 1) -> None:
         if logical <= 0:
             return
-        self.launch(label, calls)
+        self.launch(label, calls, in_node=cross == 0)
         self.by_op[label] = self.by_op.get(label, 0) + logical
         key = f"{label}/{phase}" if phase else label  # phases of one op run one after the other
         intra, crossing = self.links.get(key, (0, 0))
@@ -136,7 +142,8 @@ class _Ledger:
             self.passes[kind] = self.passes.get(kind, 0) + int(elements)
 
     def traffic(self) -> Traffic:
-        return Traffic(self.by_op, self.ring, self.intra, self.cross, self.passes, self.links, self.calls)
+        return Traffic(self.by_op, self.ring, self.intra, self.cross, self.passes, self.links, self.calls,
+                       self.in_node_calls)
 
 
 def predict_traffic(cfg: RaydeepConfig, shape: ModelShape, gpus_per_node: int | None = None) -> Traffic:

@@ -129,6 +129,16 @@ def test_every_collective_launched_costs_the_latency():
         assert launched >= 4 * (2 * SHAPE.layers + 1 + SHAPE.layers + 2)
         assert per_ms.total_s - without.total_s == pytest.approx(1e-3 * launched)
         assert per_ms.latency_s == pytest.approx(1e-3 * launched) and without.latency_s == 0
+    # hpZ's secondary gathers and qgZ's first phase run over the ranks of one node: with a free
+    # in-node latency they cost nothing, and every other collective the full one
+    split = plan_network(_cfg(gas=4), SHAPE, cluster, Links(links.network, links.intra_node, 1e-3, 0.0),
+                         CodecRates.given(2e11))
+    for option in split.options:
+        across = sum(option.traffic.calls_by_op.values()) - option.traffic.in_node_calls
+        assert option.latency_s == pytest.approx(1e-3 * across)
+    in_node = {o.name: o.traffic.in_node_calls for o in split.options}
+    assert in_node["ZeRO-3"] == in_node["ZeRO-3 + qwZ"] == 0
+    assert in_node["ZeRO-3 + hpZ"] > 0 and in_node["ZeRO-3 + qgZ"] > 0
 
 
 @pytest.mark.parametrize("text", ["25", "25gb", "25 Gbs", "fast", "-3Gbps", "0Gbps", "25Gbps/rack", "1e999GB"])
