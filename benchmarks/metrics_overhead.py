@@ -55,6 +55,9 @@ class PlainSession:
     def snapshot(self, engine, tag, client_state) -> None:
         pass
 
+    def preemption_notice(self):
+        return None
+
     def attempt_started(self, record) -> None:
         pass
 

@@ -30,7 +30,7 @@ output), null where unknown:
 ``backward_s``          seconds computing backward (its waits for reductions are in comm_wait_s)
 ``comm_wait_s``         seconds blocked waiting for collectives, in backward and in the step
 ``optimizer_s``         seconds in the optimizer step (norm, clipping, update), less its waits
-``checkpoint_s``        seconds this step spent saving a checkpoint (0 when it saved none)
+``checkpoint_s``        seconds this step spent saving a checkpoint or memory snapshot (0 when it saved none)
 ``other_s``             the rest: data loading, the loss all-reduce, the ledger (forward_s,
                         backward_s, comm_wait_s, optimizer_s and other_s add up to step_s;
                         checkpoint_s comes on top)

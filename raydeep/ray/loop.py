@@ -56,6 +56,11 @@ class Session(Protocol):
     def snapshot(self, engine, tag: str, client_state: dict) -> None:
         """Checkpoint ``engine`` into memory, if the session keeps snapshots (collective)."""
 
+    def preemption_notice(self) -> dict | None:
+        """``{"ranks", "nodes", "deadline_s"}`` (the deadline in epoch seconds, or None) of a
+        coming preemption, once Ray Train knows of a drain; else None (collective: every rank
+        calls it once a step and gets the same answer)."""
+
     def attempt_started(self, record: dict) -> None:
         """The attempt begins; ``record["attempt"]`` is its index in the run's attempt history."""
 
@@ -98,6 +103,7 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     session.attempt_started({**attempt, "attempt": restarts})
     metrics = StepMetrics.start(options, spec.run_uri, engine, restarts)  # does nothing with raydeep.metrics off
     first_loss, last_loss = state.get("first_loss"), state.get("last_loss")
+    preempted = None  # the notice, once a node of this attempt is being drained: snapshot every step
 
     while engine.global_steps < spec.steps:
         started = time.time()
@@ -109,10 +115,13 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         first_loss = last_loss if first_loss is None else first_loss
         step, rates = engine.global_steps, throughput.of(seconds)
         saving = step == spec.steps or bool(spec.checkpoint_every and step % spec.checkpoint_every == 0)
+        if preempted is None and step < spec.steps:
+            preempted = _preemption_notice(session, rank)
+        snapshot_due = not saving and (preempted is not None or bool(
+            options.memory_snapshot_every and step % options.memory_snapshot_every == 0))
         metrics.record(engine.step_metrics, loss=last_loss, step_s=seconds, rates=rates, phase=engine.tier.phase,
-                       saving=saving)
+                       saving=saving or snapshot_due)
         session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
-        snapshot_due = bool(options.memory_snapshot_every and step % options.memory_snapshot_every == 0)
         if saving or snapshot_due:
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
@@ -120,8 +129,9 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
             _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
                         checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest))
         elif snapshot_due:
-            metrics.before_checkpoint()  # a snapshot resumed from has its steps' rows on disk too
-            session.snapshot(engine, f"global_step{step}", client_state)
+            _snapshot(session, engine, metrics, f"global_step{step}", client_state)
+        if preempted is not None and step < spec.steps:
+            _wait_out_a_close_deadline(preempted["deadline_s"], time.time() - started)
 
     metrics.close()
     params = consolidated_fp32(engine)
@@ -148,6 +158,38 @@ def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client
     started = time.time()
     session.save(engine, tag, client_state, report)
     metrics.checkpoint_saved(time.time() - started)
+
+
+def _snapshot(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict) -> None:
+    """A memory snapshot through the session, timed in the step's ``checkpoint_s`` as a save is
+    (the metrics row is flushed first: a snapshot resumed from has its steps' rows on disk too)."""
+    metrics.before_checkpoint()
+    started = time.time()
+    session.snapshot(engine, tag, client_state)
+    metrics.checkpoint_saved(time.time() - started)
+
+
+def _preemption_notice(session: Session, rank: int) -> dict | None:
+    """The session's preemption notice (every rank asks, every rank gets the same), reported once."""
+    notice = session.preemption_notice()
+    if notice is not None and rank == 0:
+        left = notice["deadline_s"]
+        logger.warning("ranks %s are about to be preempted (%s): a memory snapshot every step until the run moves "
+                       "off their nodes", notice["ranks"], "no deadline given" if left is None else
+                       f"in {left - time.time():.0f} s")
+    return notice
+
+
+def _wait_out_a_close_deadline(deadline_s: float | None, step_and_snapshot_s: float, grace_s: float = 60.0) -> None:
+    """Start no step that the preemption could cut short in its snapshot: when the deadline is
+    closer than three steps with their snapshots, wait here (every step so far is in memory) for
+    Ray Train to end the worker group at the deadline and restart it off the drained node. If it
+    has not ended it ``grace_s`` past the deadline (a drain called off), training goes on."""
+    if deadline_s is None or deadline_s - time.time() > 3 * step_and_snapshot_s:
+        return
+    logger.info("the preemption deadline is %.1f s away: waiting for the restart", deadline_s - time.time())
+    while time.time() < deadline_s + grace_s:
+        time.sleep(0.2)
 
 
 def _step_event(engine, loss: float, seconds: float, rates: dict, restarts: int) -> dict:

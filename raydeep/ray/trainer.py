@@ -156,9 +156,15 @@ def build_trainer(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, mon
     # backend=None: Ray Train picks it (nccl on GPU workers, gloo on CPU ones).
     torch_config = TorchConfig(backend=None, timeout_s=options.collective_timeout_s)
     config = {"spec": spec, "ds_config": ds_config, "schedule": schedule, "monitor": monitor, "driver_id": driver_id,
-              "snapshot_store": snapshot_store}
+              "snapshot_store": snapshot_store, "preemption_watch": preemption_watched()}
     return RaydeepTorchTrainer(train_loop_per_worker, train_loop_config=config, scaling_config=scaling, run_config=run,
                                torch_config=torch_config)
+
+
+def preemption_watched() -> bool:
+    """Whether Ray Train's controller will watch for node drains (its preemption watcher, on unless
+    ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER`` turns it off, as raydeep does on a local cluster)."""
+    return os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1").strip().lower() not in ("0", "false", "no")
 
 
 def nccl_flight_recorder_env(spec: TrainSpec) -> dict[str, str]:
@@ -203,7 +209,9 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     monitor = start_monitor()
     options = RaydeepSection.model_validate(ds_config.get("raydeep") or {})
     # The driver owns the snapshot store: it outlives every worker group and dies with the driver.
-    snapshots = start_store() if options.memory_snapshot_every else None
+    # Where Ray Train watches for node drains there is one too: a drained node's ranks snapshot
+    # every step until the run moves off it (raydeep.ray.loop), so a preemption loses no step.
+    snapshots = start_store() if options.memory_snapshot_every or preemption_watched() else None
     trainer = build_trainer(spec, ds_config, schedule, monitor, driver_id, callbacks, snapshots)
     # Hangs are printed whoever watches the run: a stuck rank is news to a library caller too.
     poller = MonitorPoller(monitor, [on_progress, HangPrinter()], poll_interval_s)

@@ -58,7 +58,7 @@ def train_loop_per_worker(config: dict) -> dict:
     # One intra-op thread per reserved CPU: the same math (and so the same bits) on every attempt.
     torch.set_num_threads(max(1, int(spec.cpus_per_worker)))
     session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at, config["ds_config"],
-                         config.get("snapshot_store"))
+                         config.get("snapshot_store"), config.get("preemption_watch", False))
     try:
         return run_training(spec, config["ds_config"], config["schedule"], session)
     finally:
@@ -97,7 +97,7 @@ class RaySession:
     """Checkpoints through ``ray.train.report``, resume from ``ray.train.get_checkpoint`` (see above)."""
 
     def __init__(self, spec, monitor, driver_id: str, entered_at: float, ds_config: dict | None = None,
-                 snapshot_store=None):
+                 snapshot_store=None, preemption_watch: bool = False):
         from ray.train.collective import broadcast_from_rank_zero
 
         from raydeep.ray.memory_snapshots import snapshot_storage
@@ -113,6 +113,7 @@ class RaySession:
         self.snapshots = snapshot_storage(snapshot_store, spec.name) if snapshot_store is not None else None
         self.restored_from: str | None = None  # "checkpoint <tag>" / "memory snapshot <tag>"
         self.snapshots_lost: str | None = None  # why the snapshot store could not be read, if it could not
+        self.preemption_watch = preemption_watch  # Ray Train's controller watches for node drains
         # One id per attempt, agreed by all ranks, so the monitor can group this attempt's reports;
         # and the lowest attempt number no earlier attempt's diagnostics use, so none overwrites them.
         self.token, self.unused_attempt = broadcast_from_rank_zero(
@@ -171,6 +172,22 @@ class RaySession:
             return None
         self.restored_from = f"memory snapshot {tag}"
         return client_state
+
+    def preemption_notice(self) -> dict | None:
+        """Ray Train's preemption info (``ray.train.get_preemption_info``, the same on every rank:
+        it is a barrier), or None; nothing is asked when the controller does not watch for drains."""
+        if not self.preemption_watch:
+            return None
+        try:
+            info = ray.train.get_preemption_info()
+        except RuntimeError as err:  # e.g. inside a Tune trial, where Ray Train does not offer it
+            logger.warning("not watching for node preemption: %s", err)
+            self.preemption_watch = False
+            return None
+        if info is None:
+            return None
+        return {"ranks": info.preempted_ranks, "nodes": info.preempted_node_ids,
+                "deadline_s": None if info.deadline_ms is None else info.deadline_ms / 1000}
 
     def snapshot(self, engine, tag: str, client_state: dict) -> None:
         """Save into the snapshot store (every rank). A store that cannot be written is reported

@@ -1,13 +1,14 @@
 """raydeep on Ray Train, on one simulated cluster (``ray.cluster_utils.Cluster``: a head for the
 drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once data, a SIGKILLed
-worker, a driver restart, and finally the loss of a node under an elastic run.
+worker, memory snapshots (a restart between checkpoints, a lost snapshot store), a driver restart, and
+finally, under elastic runs, a drained (preempted) node and the loss of a node.
 
 Every run is checked against one uninterrupted run: the tiny GPT, ZeRO-3, 2 workers, 16 steps of
 16 samples, a checkpoint every 4 steps. Equal ``param_sha256`` means bitwise-equal consolidated
 fp32 parameters; equal ``samples_sha256`` means the same sample ids in the same order (see
 raydeep.ray.ledger). The tests run in file order on the package's shared cluster
-(tests/ray/conftest.py); the node-loss test, which removes a node (and puts a new one in its
-place), comes last.
+(tests/ray/conftest.py); the drain and node-loss tests, which remove a node (and put a new one in
+its place), come last.
 """
 from __future__ import annotations
 
@@ -214,6 +215,14 @@ def snapshot_config(every: int = 1) -> dict:
     return {**copy.deepcopy(DEFAULT_DS_CONFIG), "raydeep": {"memory_snapshot_every": every}}
 
 
+def check_resumed_from_the_newest_state(record: dict, every: int) -> None:
+    """A restart resumed from the newest state there was: the memory snapshot of its step, or the
+    checkpoint where that step saved one (a step that checkpoints takes no snapshot)."""
+    resumed = record["resumed_from_step"]
+    source = "checkpoint" if resumed % every == 0 else "memory snapshot"
+    assert record["restored_from"] == f"{source} global_step{resumed}", record
+
+
 def _snapshot_stores() -> list:
     from ray.util.state import list_actors
 
@@ -230,8 +239,7 @@ def test_sigkill_between_checkpoints_resumes_from_the_memory_snapshot(uninterrup
     assert kill.killed_at is not None and summary["restarts"] == 1
     recovery = summary["recoveries"][0]
     print(f"\nSIGKILL of rank 1 at step {kill.step} (checkpoint every {EVERY}): {recovery}")
-    assert recovery["restored_from"].startswith("memory snapshot global_step")
-    assert recovery["resumed_from_step"] > EVERY * (kill.step // EVERY)  # past the last checkpoint
+    check_resumed_from_the_newest_state(recovery, EVERY)
     assert recovery["steps_lost"] <= 1  # at most the step whose snapshot the kill interrupted
     assert summary["param_sha256"] == uninterrupted["param_sha256"]
     assert summary["samples_sha256"] == uninterrupted["samples_sha256"] == expected_samples_sha256()
@@ -345,6 +353,97 @@ class RemoveNodeOfRankOne:
             self.cluster.remove_node(node, allow_graceful=False)
 
 
+def fit_losing_the_node_of_rank_one(shared_ray, spec, after_step: int, settle: bool = False):
+    """``fit(spec)`` while the node of rank 1 is removed past ``after_step``; a new trainer node
+    takes its place afterwards (``settle``: and Ray Train sees both trainer nodes again, for an
+    elastic run that follows). Returns the summary and the :class:`RemoveNodeOfRankOne`."""
+    loss = RemoveNodeOfRankOne(shared_ray.cluster, shared_ray.trainers, after_step=after_step)
+    try:
+        summary = fit(spec, on_progress=loss)
+    finally:
+        if loss.removed is not None:
+            shared_ray.replace_trainer(loss.removed)
+            if settle:
+                _wait_for_free_trainers(2)
+    assert loss.removed_at is not None, "the run ended before the node could be removed"
+    return summary, loss
+
+
+def _wait_for_free_trainers(count: int, timeout_s: float = 60.0) -> None:
+    """Until exactly ``count`` trainer nodes are alive and free, and then until Ray Train's
+    autoscaling coordinator has seen them: an elastic run sizes itself from the coordinator's view
+    of the nodes, which it refreshes every 20 s (``TICK_INTERVAL_S``), and one started sooner after
+    a node was replaced would start on fewer workers."""
+    import ray
+
+    def ready() -> bool:
+        alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("trainer")]
+        return len(alive) == count and ray.available_resources().get("trainer", 0) >= count
+
+    deadline = time.monotonic() + timeout_s
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(21)
+
+
+class DrainNodeOfRankOne:
+    """on_progress callback: once the run is past a checkpoint, drain the node of rank 1 as a
+    preemption with a deadline: the GCS call that ``ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`` and the autoscaler make (made
+    here directly: the command takes seconds to start, longer than this run's remaining steps)."""
+
+    def __init__(self, address: str, after_step: int, deadline_s: float):
+        self.address, self.after_step, self.deadline_s = address, after_step, deadline_s
+        self.node_id, self.step, self.attempts, self.accepted = None, None, [], None
+
+    def __call__(self, snapshot: dict) -> None:
+        self.attempts, latest = snapshot["attempts"], snapshot["latest"]
+        if self.node_id is not None or not latest or latest["step"] < self.after_step:
+            return
+        workers = self.attempts[0]["workers"]
+        if 1 in workers:
+            from ray._raylet import GcsClient
+            from ray.core.generated import autoscaler_pb2
+
+            self.node_id, self.step = workers[1]["node_id"], latest["step"]
+            deadline_ms = int((time.time() + self.deadline_s) * 1000)
+            self.accepted = GcsClient(address=self.address).drain_node(
+                self.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                "spot reclaim (test)", deadline_ms)
+
+
+def test_a_drained_node_moves_the_run_without_losing_a_step(shared_ray, uninterrupted, storage, monkeypatch):
+    """A preemption notice for the node of rank 1 (a drain with a 1.5 s deadline): from the next
+    step every rank snapshots each step into the driver's memory, and waits once the deadline is
+    closer than three steps; at the deadline Ray Train ends the
+    worker group and starts it again on the node that is left, which resumes at the last step taken
+    (no snapshot cadence set: the notice alone turns them on; a checkpoint if that step saved one).
+    The run ends with the uninterrupted
+    run's samples and weights, and with ``max_failures`` 0: a preemption is not a failure."""
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # read by the controller fit() starts
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")  # Ray's 5 s is most of this short run
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")
+    spec = spec_for(storage, "drained", num_workers=(1, 2), resources_per_worker={"trainer": 1}, max_failures=0)
+    drain = DrainNodeOfRankOne(shared_ray.address, after_step=EVERY + 1, deadline_s=1.5)
+    try:
+        summary = fit(spec, on_progress=drain)
+    finally:
+        if drain.node_id is not None:  # the drained node takes no new work: a new one in its place
+            node = next(n for n in shared_ray.trainers if n.node_id == drain.node_id)
+            shared_ray.cluster.remove_node(node, allow_graceful=False)
+            shared_ray.replace_trainer(node)
+            _wait_for_free_trainers(2)  # the next elastic run must find both, not start on one
+    assert drain.node_id is not None, "the run ended before the node could be drained"
+    assert drain.accepted[0], drain.accepted
+    assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1 and summary["restarts"] == 1
+    recovery = summary["recoveries"][0]
+    print(f"\nnode of rank 1 drained at step {drain.step} (deadline 1.5 s): {recovery}")
+    check_resumed_from_the_newest_state(recovery, EVERY)
+    assert recovery["resumed_from_step"] > drain.step and recovery["steps_lost"] == 0, recovery
+    assert summary["samples_sha256"] == expected_samples_sha256()
+    assert summary["param_sha256"] == uninterrupted["param_sha256"]
+
+
 def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, uninterrupted, storage, monkeypatch):
     """Elastic run (1 to 2 workers, on the shared cluster's two trainer nodes) with a memory
     snapshot every step: the node of rank 1 disappears; the run continues on the other from the
@@ -358,13 +457,7 @@ def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, unint
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")  # read by the controller fit() starts
     spec = spec_for(storage, "elastic", num_workers=(1, 2), export_fp32=True, resources_per_worker={"trainer": 1},
                     ds_config=snapshot_config())
-    loss = RemoveNodeOfRankOne(shared_ray.cluster, shared_ray.trainers, after_step=EVERY + 2)
-    try:
-        summary = fit(spec, on_progress=loss)
-    finally:
-        if loss.removed is not None:
-            shared_ray.replace_trainer(loss.removed)
-    assert loss.removed_at is not None, "the run ended before the node could be removed"
+    summary, loss = fit_losing_the_node_of_rank_one(shared_ray, spec, after_step=EVERY + 2)
     assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1
     last = summary["attempts"][-1]
     assert (last["micro_batch"], last["grad_accum"]) == (8, 2)  # the same 16 samples a step
@@ -374,8 +467,8 @@ def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, unint
     param_gap = max_abs_difference(load_fp32(f"{spec.run_uri}/model_fp32.safetensors"),
                                    load_fp32(str(storage / "uninterrupted" / "model_fp32.safetensors")))
     on_one = next(a for a in loss.attempts if a["world_size"] == 1)
-    assert on_one["restored_from"].startswith("memory snapshot global_step"), on_one["restored_from"]
-    assert on_one["resumed_from_step"] > EVERY * (loss.step // EVERY)  # past the last checkpoint
+    check_resumed_from_the_newest_state(on_one, EVERY)
+    assert on_one["resumed_from_step"] >= loss.step - 1  # at most the step in flight is trained again
     print(f"\nnode of rank 1 removed at step {loss.step}: continued on 1 worker from step "
           f"{on_one['resumed_from_step']}, first step {on_one['first_step_at'] - loss.removed_at:.1f} s after the "
           f"removal; world sizes {summary['world_sizes']}; final loss {summary['final_loss']:.6f} vs "
