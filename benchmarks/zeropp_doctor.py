@@ -196,9 +196,8 @@ def render(result: dict) -> str:
              f"{s['steps']} steps; loopback links "
              f"measured: latency {result['latency_s'] * 1e3:.2f} ms a collective"
              + ("" if result["intra_node_latency_s"] is None else
-                f" ({result['intra_node_latency_s'] * 1e3:.2f} ms inside a node)") + ", "
-             f"
-             f"{result['bandwidth_bytes_s'] / 1e9:.2f} GB/s sent per rank; load {result['load_average']:.1f}",
+                f" ({result['intra_node_latency_s'] * 1e3:.2f} ms inside a node)")
+             + f", {result['bandwidth_bytes_s'] / 1e9:.2f} GB/s sent per rank; load {result['load_average']:.1f}",
              f"{'case':<17}{'collectives':>16}{'bytes':>22}{'doctor ms':>11}{'calibrated':>12}{'blocked ms':>22}"
              f"{'doctor/blocked':>16}{'calibrated/blocked':>20}{'codec ms':>10}{'step ms':>9}"]
     for r in result["rows"]:
