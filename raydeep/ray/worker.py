@@ -180,7 +180,7 @@ class RaySession:
             return None
         try:
             info = ray.train.get_preemption_info()
-        except RuntimeError as err:  # e.g. inside a Tune trial, where Ray Train does not offer it
+        except (RuntimeError, DeprecationWarning) as err:  # Ray Train refuses it inside a Tune session
             logger.warning("not watching for node preemption: %s", err)
             self.preemption_watch = False
             return None
