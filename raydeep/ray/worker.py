@@ -16,6 +16,8 @@ attempt. The session adds raydeep's part:
   driver's snapshot store (:mod:`raydeep.ray.memory_snapshots`), and the restore takes the newest
   intact snapshot when it is further along than the newest checkpoint (a store that cannot be read
   is reported, and the checkpoint is used);
+- where Ray Train watches for node drains, the session asks it once a step
+  (``preemption_notice``); from a notice on the loop snapshots every step (:mod:`raydeep.ray.loop`);
 - step events go to the driver's :class:`~raydeep.ray.run_monitor.RunMonitor` (with the DeepSpeed
   console lines rank 0 logged in the step, :mod:`raydeep.console_lines`) and, from rank 0, to
   Prometheus gauges (:mod:`raydeep.ray.gauges`); each checkpoint's report carries the step's
