@@ -55,6 +55,12 @@ class PlainSession:
     def snapshot(self, engine, tag, client_state) -> None:
         pass
 
+    def snapshot_room(self):
+        return None
+
+    def drop_snapshots(self) -> None:
+        pass
+
     def preemption_notice(self):
         return None
 

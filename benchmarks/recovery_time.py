@@ -1,68 +1,162 @@
-"""How long from a killed worker to the next completed step? Several SIGKILLs in one run.
+"""What a lost worker costs: steps lost, seconds to the next step, the snapshots' price, goodput.
 
-    python -m benchmarks.recovery_time [--kills 3] [--workers 2]
+    python -m benchmarks.recovery_time [--kills 3] [--workers 2] [--snapshots 1] [--pairs 3]
 
-Trains the tiny GPT at ZeRO-3 on a local Ray cluster (one CPU per worker) and, each time the
-current attempt has passed a new checkpoint, SIGKILLs its rank 1. Ray Train notices the dead
-worker, restarts the whole worker group, and raydeep resumes from the checkpoint. For every kill
-it prints when, after the kill, the new group's train function started, when its engine was built
-and the checkpoint loaded, and when its first step completed, then the median of the last.
+Trains the tiny GPT at ZeRO-3 on a local Ray cluster (one CPU per worker), in three parts:
+
+1. **Kills.** Storage checkpoints every 10 steps and memory snapshots every ``--snapshots`` steps;
+   5 steps into each attempt its rank 1 is SIGKILLed (between checkpoints). For each kill: the
+   steps lost (the failed attempt's last step less the step the next one resumed at) and, counted
+   from the kill, when the new worker processes started, when their train function was entered,
+   when the engine was built, when the state was restored and when the first step completed.
+2. **Snapshot overhead.** The same run without kills and without snapshots, with snapshots every
+   ``"auto"`` (at most 3% by construction) and every ``--snapshots`` steps, alternated ``--pairs``
+   times: the wall time of the steps (first to last step, snapshots included) against no
+   snapshots', and the share of it spent in snapshots as the step metrics measured it.
+3. **Goodput.** 100 steps with a kill every 20 steps against the same run without kills: useful
+   steps per second of each (the run's wall time, start-up and recoveries included), and the ratio.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import signal
 import statistics
 import tempfile
 import time
 
+CHECKPOINT_EVERY = 10
+OVERHEAD_STEPS = 60
+GOODPUT_STEPS, KILL_EVERY = 100, 20
+
 
 class Killer:
-    """on_progress callback: kill rank 1 of the current attempt once it has checkpointed."""
+    """on_progress callback: SIGKILL rank 1 of the current attempt once ``due(latest step,
+    attempt)`` says so, at most ``kills`` times, one kill per attempt."""
 
-    def __init__(self, kills: int, every: int):
-        self.kills, self.every = kills, every
-        self.killed_at: list[float] = []
+    def __init__(self, kills: int, due):
+        self.kills, self.due = kills, due
+        self.killed: list[tuple[float, int]] = []  # (when, the latest step reported then)
         self.attempts: list[dict] = []
 
     def __call__(self, snapshot: dict) -> None:
         self.attempts, latest = snapshot["attempts"], snapshot["latest"]
-        if len(self.killed_at) >= self.kills or not self.attempts or latest is None:
+        if len(self.killed) >= self.kills or not self.attempts or latest is None:
             return
         current = self.attempts[-1]
-        if len(self.attempts) != len(self.killed_at) + 1 or 1 not in current["workers"]:
+        if len(self.attempts) != len(self.killed) + 1 or 1 not in current["workers"]:
             return  # the previous kill's restart has not reported yet
-        if latest["attempt"] == current["index"] and latest["step"] > current["resumed_from_step"] + self.every:
-            self.killed_at.append(time.time())
+        if latest["attempt"] == current["index"] and self.due(latest["step"], current):
+            self.killed.append((time.time(), latest["step"]))
             os.kill(current["workers"][1]["pid"], signal.SIGKILL)
+
+
+def spec_for(storage: str, name: str, steps: int, workers: int, snapshots: str, checkpoint_every: int,
+             max_failures: int = 0):
+    from raydeep.ray import TrainSpec
+
+    every = '"auto"' if snapshots == "auto" else str(int(snapshots))  # overrides take JSON values
+    return TrainSpec(num_workers=workers, steps=steps, checkpoint_every=checkpoint_every, storage_path=storage,
+                     name=name, max_failures=max_failures, overrides=[f"raydeep.memory_snapshot_every={every}",
+                                "raydeep.metrics=true"])
+
+
+def kills(args) -> None:
+    from raydeep.ray import fit
+
+    killer = Killer(args.kills, lambda step, attempt: step >= attempt["resumed_from_step"] + 5)
+    steps = (args.kills + 1) * CHECKPOINT_EVERY + 4
+    with tempfile.TemporaryDirectory() as storage:
+        summary = fit(spec_for(storage, "kills", steps, args.workers, args.snapshots, CHECKPOINT_EVERY, args.kills),
+                      on_progress=killer, log_to_driver=False)
+    print(f"1. kills: {os.cpu_count()} cores, {args.workers} workers x 1 CPU, tiny GPT ZeRO-3, checkpoints every "
+          f"{CHECKPOINT_EVERY} steps, memory snapshots every {args.snapshots}; {len(killer.killed)} SIGKILLs of rank 1 "
+          f"(seconds after each kill):")
+    print("   killed after  resumed at  lost  from              processes  train fn  engine  restored  first step")
+    firsts, lost = [], []
+    for (kill, _), attempt, recovery in zip(killer.killed, killer.attempts[1:], summary["recoveries"]):
+        started = [w.get("process_started_at") for w in attempt["workers"].values()]
+        process = max(started) - kill if None not in started and started else float("nan")
+        entered, built, ready, first = (attempt[k] - kill for k in ("entered_at", "built_at", "started_at",
+                                                                      "first_step_at"))
+        firsts.append(first)
+        lost.append(recovery["steps_lost"])
+        print(f"   step {recovery['last_step_before']:7d}  {recovery['resumed_from_step']:10d}  {recovery['steps_lost']:4d}  "
+              f"{recovery['restored_from'][:16]:16s}  {process:9.1f}  {entered:8.1f}  {built:6.1f}  {ready:8.1f}  "
+              f"{first:10.1f}")
+    if firsts:
+        print(f"   steps lost per kill: {lost}; kill -> next completed step: median {statistics.median(firsts):.1f} s "
+              f"(min {min(firsts):.1f}, max {max(firsts):.1f})")
+
+
+def _steps_wall(run_uri: str) -> tuple[float, float]:
+    """(seconds from the first step's end to the last step's before the final checkpoint, seconds
+    of it in memory snapshots), from the run's step metrics."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(glob.glob(f"{run_uri}/metrics/**/*.parquet", recursive=True)).to_pandas()
+    table = table.sort_values("step")
+    body = table[table.step < table.step.max()]
+    return float(body.time.max() - body.time.min()), float(body.checkpoint_s.fillna(0).iloc[1:].sum())
+
+
+def overhead(args) -> None:
+    from raydeep.ray import fit
+
+    settings = ["0", "auto", args.snapshots]
+    walls: dict[str, list[float]] = {s: [] for s in settings}
+    shares: dict[str, list[float]] = {s: [] for s in settings}
+    for pair in range(args.pairs):
+        for setting in settings:
+            with tempfile.TemporaryDirectory() as storage:
+                spec = spec_for(storage, "overhead", OVERHEAD_STEPS, args.workers, setting, 0)
+                fit(spec, log_to_driver=False)
+                wall, in_snapshots = _steps_wall(spec.run_uri)
+            walls[setting].append(wall)
+            shares[setting].append(in_snapshots / wall)
+    base = statistics.median(walls["0"])
+    print(f"2. snapshot overhead: {OVERHEAD_STEPS} steps, {args.workers} workers, {args.pairs} runs each, alternated "
+          "(median wall of steps 2..N-1):")
+    for setting in settings:
+        wall = statistics.median(walls[setting])
+        print(f"   memory_snapshot_every={setting:5s} {wall:6.2f} s  x{wall / base:.3f} of no snapshots; "
+              f"in snapshots {100 * statistics.median(shares[setting]):4.1f}% of the wall")
+
+
+def goodput(args) -> None:
+    from raydeep.ray import fit
+
+    elapsed = {}
+    for label, count in (("no kills", 0), (f"a kill every {KILL_EVERY} steps", GOODPUT_STEPS // KILL_EVERY - 1)):
+        killer = Killer(count, lambda step, attempt: step >= KILL_EVERY * (len(killer.killed) + 1))
+        with tempfile.TemporaryDirectory() as storage:
+            summary = fit(spec_for(storage, "goodput", GOODPUT_STEPS, args.workers, args.snapshots, CHECKPOINT_EVERY,
+                                   count), on_progress=killer, log_to_driver=False)
+        elapsed[label] = summary["elapsed_s"], len(killer.killed), sum(r["steps_lost"] or 0
+                                                                       for r in summary["recoveries"])
+    print(f"3. goodput: {GOODPUT_STEPS} steps, checkpoints every {CHECKPOINT_EVERY}, snapshots every {args.snapshots}:")
+    rates = {}
+    for label, (seconds, killed, lost) in elapsed.items():
+        rates[label] = GOODPUT_STEPS / seconds
+        print(f"   {label:22s} {seconds:6.1f} s  {killed} kills, {lost} steps lost  {rates[label]:5.2f} useful steps/s")
+    quiet, killed = rates.values()
+    print(f"   goodput with kills / without: {killed / quiet:.3f}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--every", type=int, default=2, help="checkpoint every N steps")
+    parser.add_argument("--snapshots", default="1", help='memory snapshot cadence of the kill and goodput runs '
+                        '(steps, or "auto")')
+    parser.add_argument("--pairs", type=int, default=3, help="runs of each snapshot setting in the overhead part")
+    parser.add_argument("--parts", default="kills,overhead,goodput")
     args = parser.parse_args(argv)
-    from raydeep.ray import TrainSpec, fit
-
-    killer = Killer(args.kills, args.every)
-    steps = (args.kills + 1) * (2 * args.every + 2) + 4
-    with tempfile.TemporaryDirectory() as storage:
-        spec = TrainSpec(num_workers=args.workers, steps=steps, checkpoint_every=args.every, storage_path=storage,
-                         name="recovery", max_failures=args.kills)
-        summary = fit(spec, on_progress=killer, log_to_driver=False)
-    print(f"{os.cpu_count()} cores, {args.workers} workers x 1 CPU, tiny GPT ZeRO-3, {len(killer.killed_at)} SIGKILLs "
-          f"(seconds after each kill):")
-    firsts = []
-    for kill, attempt in zip(killer.killed_at, killer.attempts[1:]):
-        entered, ready, first = (attempt[k] - kill for k in ("entered_at", "started_at", "first_step_at"))
-        firsts.append(first)
-        print(f"  resumed at step {attempt['resumed_from_step']:3d}: train function started {entered:5.1f}, "
-              f"engine built and checkpoint loaded {ready:5.1f}, first step done {first:5.1f}")
-    if firsts:
-        print(f"  kill -> next completed step: median {statistics.median(firsts):.1f} s "
-              f"(min {min(firsts):.1f}, max {max(firsts):.1f}); run restarts {summary['restarts']}")
+    parts = args.parts.split(",")
+    for name, part in (("kills", kills), ("overhead", overhead), ("goodput", goodput)):
+        if name in parts:
+            part(args)
     return 0
 
 

@@ -31,7 +31,8 @@ AUTO_DROPPING_SECTIONS = ("zero_optimization", "fp16", "bf16", "comms_logger", "
                           "wandb", "comet")
 
 # Keys whose own value set includes "auto" (a real setting, not a placeholder to fill in).
-AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "raydeep.offload_target", "data_types.keep_in_fp32_modules",
+AUTO_IS_A_VALUE = frozenset({"raydeep.partition_units", "raydeep.offload_target", "raydeep.memory_snapshot_every",
+                             "data_types.keep_in_fp32_modules",
                              "zero_optimization.zenflow.select_strategy", "zero_optimization.zenflow.select_interval",
                              "zero_optimization.zenflow.update_interval"})
 # Where Hugging Face's integration fills each "auto" from, to make the unresolved-key error useful.

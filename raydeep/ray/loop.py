@@ -32,6 +32,7 @@ from raydeep.config.sections import RaydeepSection
 from raydeep.errors import CheckpointError
 from raydeep.ray.batch_plan import BatchSchedule
 from raydeep.ray.ledger import SampleLedger, SampleOrder, micro_positions, step_ids_in_position_order
+from raydeep.ray.snapshot_cadence import SnapshotCadence
 from raydeep.ray.spec import TrainSpec
 from raydeep.ray.step_metrics import StepMetrics, flops_per_token, throughput_of
 from raydeep.ray.weights import consolidated_fp32, param_sha256, save_fp32
@@ -55,6 +56,13 @@ class Session(Protocol):
 
     def snapshot(self, engine, tag: str, client_state: dict) -> None:
         """Checkpoint ``engine`` into memory, if the session keeps snapshots (collective)."""
+
+    def snapshot_room(self) -> str | None:
+        """Why the snapshot store cannot keep snapshots of the size just taken (None: it can, or
+        this rank does not check; asked after an ``"auto"`` cadence's first snapshot)."""
+
+    def drop_snapshots(self) -> None:
+        """Free the snapshots held and take no more (collective)."""
 
     def preemption_notice(self) -> dict | None:
         """``{"ranks", "nodes", "deadline_s"}`` (the deadline in epoch seconds, or None) of a
@@ -89,13 +97,14 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     tokens_per_sample = int(getattr(dataset, "block_size", block_size))
     model_flops = flops_per_token(model, tokens_per_sample)  # before ZeRO-3 leaves each rank its slices only
     engine, *_ = raydeep.initialize(model=model, config=schedule.engine_config(ds_config, world))
+    built_at = time.time()
     throughput = throughput_of(options, engine, tokens_per_sample, model_flops)
     order = SampleOrder(len(dataset), spec.seed)
 
     source = {"data": spec.data, "num_samples": len(dataset), "seed": spec.seed}
     state, ledger = _resume(session, engine, source)
     attempt = {"driver": session.driver_id, "world_size": world, "micro_batch": plan.micro_batch,
-               "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "started_at": time.time(),
+               "grad_accum": plan.grad_accum, "resumed_from_step": engine.global_steps, "built_at": built_at, "started_at": time.time(),
                "restored_from": getattr(session, "restored_from", None),
                "skipped_checkpoints": [list(entry) for entry in session.skipped]}
     attempts = list(state.get("attempts", [])) + [attempt]
@@ -104,6 +113,7 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     metrics = StepMetrics.start(options, spec.run_uri, engine, restarts)  # does nothing with raydeep.metrics off
     first_loss, last_loss = state.get("first_loss"), state.get("last_loss")
     preempted = None  # the notice, once a node of this attempt is being drained: snapshot every step
+    cadence = SnapshotCadence(options.memory_snapshot_every)
 
     while engine.global_steps < spec.steps:
         started = time.time()
@@ -112,13 +122,13 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         ledger.record(_gather_step_ids(my_ids, world, plan.micro_batch, engine.device))
         seconds = time.time() - started
         session.step_finished(seconds)
+        cadence.step_done(seconds)
         first_loss = last_loss if first_loss is None else first_loss
         step, rates = engine.global_steps, throughput.of(seconds)
         saving = step == spec.steps or bool(spec.checkpoint_every and step % spec.checkpoint_every == 0)
         if preempted is None and step < spec.steps:
             preempted = _preemption_notice(session, rank)
-        snapshot_due = not saving and (preempted is not None or bool(
-            options.memory_snapshot_every and step % options.memory_snapshot_every == 0))
+        snapshot_due = not saving and (preempted is not None or cadence.due(step))
         metrics.record(engine.step_metrics, loss=last_loss, step_s=seconds, rates=rates, phase=engine.tier.phase,
                        saving=saving or snapshot_due)
         session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
@@ -128,8 +138,10 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         if saving:
             _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
                         checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest))
+            cadence.saved()
         elif snapshot_due:
-            _snapshot(session, engine, metrics, f"global_step{step}", client_state)
+            snapshot_s = _snapshot(session, engine, metrics, f"global_step{step}", client_state)
+            _pace_snapshots(cadence, session, engine, snapshot_s, world)
         if preempted is not None and step < spec.steps:
             _wait_out_a_close_deadline(preempted["deadline_s"], time.time() - started)
 
@@ -160,13 +172,39 @@ def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client
     metrics.checkpoint_saved(time.time() - started)
 
 
-def _snapshot(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict) -> None:
+def _snapshot(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict) -> float:
     """A memory snapshot through the session, timed in the step's ``checkpoint_s`` as a save is
-    (the metrics row is flushed first: a snapshot resumed from has its steps' rows on disk too)."""
+    (the metrics row is flushed first: a snapshot resumed from has its steps' rows on disk too);
+    returns its seconds."""
     metrics.before_checkpoint()
     started = time.time()
     session.snapshot(engine, tag, client_state)
-    metrics.checkpoint_saved(time.time() - started)
+    seconds = time.time() - started
+    metrics.checkpoint_saved(seconds)
+    return seconds
+
+
+def _pace_snapshots(cadence: SnapshotCadence, session: Session, engine, snapshot_s: float, world: int) -> None:
+    """``"auto"``: every rank agrees on the snapshot's cost and the step's (the slowest rank's)
+    and so on the gap to the next snapshot; a store whose node cannot keep snapshots this size
+    turns them off (:mod:`raydeep.ray.snapshot_cadence`)."""
+    if not cadence.auto:
+        cadence.measured(snapshot_s, 0.0)
+        return
+    no_room = session.snapshot_room() if cadence.gap is None else None
+    agreed = torch.tensor([snapshot_s, cadence.typical_step_s(), float(no_room is not None)], dtype=torch.float64,
+                          device=engine.device)
+    if world > 1:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # on the engine's device: NCCL reduces CUDA tensors only
+    snapshot_s, step_s, dropped = agreed.tolist()
+    if dropped:
+        if no_room is not None:
+            logger.warning("raydeep.memory_snapshot_every='auto': %s; memory snapshots are off (set "
+                           "raydeep.memory_snapshot_every to N to keep one every N steps anyway)", no_room)
+        session.drop_snapshots()
+        cadence.off()
+        return
+    cadence.measured(snapshot_s, step_s)
 
 
 def _preemption_notice(session: Session, rank: int) -> dict | None:

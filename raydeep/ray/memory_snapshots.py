@@ -87,10 +87,46 @@ class SnapshotStore:
     def bytes_held(self) -> int:
         return sum(len(d) for d in self.files.values())
 
+    def room(self) -> tuple[int, int | None]:
+        """(bytes of the largest snapshot held, bytes of memory still available on this node, or
+        None where it cannot be read)."""
+        sizes: dict[str, int] = {}
+        for path, data in self.files.items():
+            tag = "/".join(path.split("/")[:3])  # /snapshots/<tag>
+            sizes[tag] = sizes.get(tag, 0) + len(data)
+        return max(sizes.values(), default=0), available_memory()
+
     def _make_dir(self, path: str) -> None:
         while path and path not in self.dirs:
             self.dirs.add(path)
             path = posixpath.dirname(path)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a process here can still take: Linux's MemAvailable, less where the
+    cgroup (a container's limit, as on KubeRay) leaves less; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            text = limit.read().strip()
+            if text != "max":
+                found.append(int(text) - int(used.read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def too_big_to_keep(largest: int, available: int | None) -> bool:
+    """Whether ``KEEP`` snapshots of ``largest`` bytes would take more than half of what the
+    store's node has for them (what it holds now, which it can reuse, and what is still free)."""
+    return available is not None and KEEP * largest > 0.5 * (available + largest)
 
 
 def start_store():

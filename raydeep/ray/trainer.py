@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -69,7 +71,15 @@ class RaydeepTorchTrainer(TorchTrainer):
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         # Ray Train takes its failure policy from here only; raydeep's never retries its own errors.
         controller_init_kwargs["failure_policy"] = RaydeepFailurePolicy(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+        # Ray Train's Ctrl-C handler holds the controller's handle, which keeps the controller
+        # actor alive after the run until the driver exits: the handler before it is put back.
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if main_thread else None
+        try:
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous)
 
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()

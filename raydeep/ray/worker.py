@@ -112,6 +112,7 @@ class RaySession:
         self.checkpoint_fs_path = posixpath.join(storage.experiment_fs_path, "checkpoints")
         self.monitor, self.driver_id, self.entered_at = monitor, driver_id, entered_at
         self.skipped: list[tuple[str, str]] = []  # damaged checkpoints the restore passed over
+        self.store = snapshot_store
         self.snapshots = snapshot_storage(snapshot_store, spec.name) if snapshot_store is not None else None
         self.restored_from: str | None = None  # "checkpoint <tag>" / "memory snapshot <tag>"
         self.snapshots_lost: str | None = None  # why the snapshot store could not be read, if it could not
@@ -122,7 +123,8 @@ class RaySession:
             (uuid.uuid4().hex, unused_diagnostics_attempt(spec.run_uri) if self.rank == 0 else 0))
         if monitor is not None:
             monitor.worker_started.remote(self.token, self.rank, {
-                "pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "process_started_at": process_started_at(), "host": socket.gethostname(),
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "local_rank": context.get_local_rank(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
         self.gauges = StepGauges(spec.name) if self.rank == 0 else None
         # DeepSpeed's console lines (timers, comms table), which the driver prints above its bar.
@@ -206,6 +208,29 @@ class RaySession:
                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             self.snapshots = None
 
+    def snapshot_room(self) -> str | None:
+        """Rank 0: why the store's node cannot keep ``KEEP`` snapshots of the largest size held."""
+        if self.snapshots is None or self.rank != 0:
+            return None
+        from raydeep.ray.memory_snapshots import KEEP, too_big_to_keep
+
+        try:
+            largest, available = ray.get(self.store.room.remote())
+        except ray.exceptions.RayError:
+            return None  # a lost store is reported where it is written to or read
+        if not too_big_to_keep(largest, available):
+            return None
+        return (f"{KEEP} snapshots of {largest / 2**30:.2f} GiB would take more than half of the "
+                f"{(available + largest) / 2**30:.2f} GiB the driver's node has for them")
+
+    def drop_snapshots(self) -> None:
+        if self.snapshots is not None and self.rank == 0:
+            try:
+                ray.get(self.store.delete.remote("/", True))
+            except ray.exceptions.RayError:
+                pass
+        self.snapshots = None
+
     def save(self, engine, tag: str, client_state: dict, metrics: dict) -> None:
         from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -245,6 +270,19 @@ class RaySession:
             self.watchdog.stop()
         if self.console_lines is not None:
             self.console_lines.detach()
+
+
+def process_started_at() -> float | None:
+    """When this process started (epoch seconds, to 10 ms), from Linux's /proc; None elsewhere.
+    A restart's breakdown starts here: the seconds before it are Ray's (noticing the failure,
+    placing and starting the new worker actors), the ones after it this process's."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+            booted_at = time.time() - float(uptime.read().split()[0])
+        return booted_at + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def unused_diagnostics_attempt(run_uri: str) -> int:

@@ -17,8 +17,8 @@ drivers, two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node
 - Through ``raydeep train``: the ``offload`` section of summary.json, the same weights as the same
   training without offload (in plain gloo processes, which a Ray run reproduces bit for bit:
   tests/ray/test_trainer.py), and recovery from ``ray.kill`` of an offload actor with the
-  uninterrupted run's weights. After each run, no offload actor is alive and no placement group
-  exists (State API).
+  uninterrupted run's weights. After each run (finished, or failed and restarted), no actor of
+  the run is alive, no placement group exists and no object is left (State API).
 - Memory snapshots with the actor tier: a SIGKILLed rank, and the loss of its node (2 workers to
   1), resume from the newest snapshot in the driver's store, past the last checkpoint.
 """
@@ -257,8 +257,26 @@ def _eventually(check, timeout_s: float = 30.0) -> bool:
     return True
 
 
+# The actors a run starts: its own (offload actors, the snapshot store, the progress monitor) and
+# Ray Train's (the controller and the worker group).
+RUN_ACTORS = ("OffloadActor", "SnapshotStore", "RunMonitor", "TrainController", "RayTrainWorker")
+
+
+def _alive_run_actors() -> list:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.class_name in RUN_ACTORS]
+
+
+def _objects() -> list:
+    """Every object in the cluster, whoever holds a reference to it (the State API's view)."""
+    from ray.util.state import list_objects
+
+    return list_objects(limit=10000, raise_on_missing_output=False)
+
+
 def _nothing_left() -> bool:
-    return _alive_offload_actors() == [] and _placement_groups() == []
+    return _alive_run_actors() == [] and _placement_groups() == [] and _objects() == []
 
 
 def test_raydeep_train_writes_the_offload_section(cli_run, cluster, storage, tmp_path):

@@ -85,6 +85,18 @@ def test_summary_reports_an_exactly_once_run(uninterrupted, storage):
     assert on_disk == json.loads(json.dumps(summary))
 
 
+def test_the_default_snapshot_cadence_measures_after_the_second_step(uninterrupted, storage):
+    """``raydeep.memory_snapshot_every`` is "auto" by default: the first memory snapshot follows
+    the attempt's second step (timed in that step's ``checkpoint_s``), and its cost sets the gap
+    to the next one. A snapshot of the tiny GPT's state takes several times the 3% of a step that
+    "auto" allows, so the next step takes none."""
+    from raydeep.metrics import read_metrics
+
+    rows = read_metrics(spec_for(storage, "uninterrupted").run_uri).to_pylist()
+    saved = {r["step"] for r in rows if r["checkpoint_s"] > 0}
+    assert {2, EVERY, 2 * EVERY} <= saved and not {1, 3} & saved, sorted(saved)
+
+
 def test_two_ray_workers_equal_two_plain_processes(uninterrupted, storage):
     """fp32 parameters of the Ray run (consolidated, exported) against the same training in two
     plain gloo processes: max |difference| <= 1e-6; the digests say whether they are bitwise equal."""
@@ -118,7 +130,9 @@ def monitored_config(out) -> dict:
 
     from raydeep.ray.spec import DEFAULT_DS_CONFIG
 
+    # Memory snapshots off: the restart resumes from the checkpoint (the snapshot tests below kill between checkpoints).
     return {**copy.deepcopy(DEFAULT_DS_CONFIG), "steps_per_print": EVERY, "wall_clock_breakdown": True,
+            "raydeep": {"memory_snapshot_every": 0},
             "comms_logger": {"enabled": True},
             "tensorboard": {"enabled": True, "output_path": str(out / "tb"), "job_name": "kill"},
             "csv_monitor": {"enabled": True, "output_path": str(out / "csv"), "job_name": "kill"}}
@@ -196,6 +210,7 @@ def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(stor
     config = copy.deepcopy(DEFAULT_DS_CONFIG)
     config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 2e-3, "freeze_step": 2, "weight_decay": 0.01}}
     config["zero_optimization"] = {"stage": 0}
+    config["raydeep"] = {"memory_snapshot_every": 0}  # resume from the checkpoint: its error feedback is on disk
     spec = spec_for(storage, "onebit-killed", ds_config=config, steps=2 * EVERY)
     kill = KillRankOne(after_step=EVERY + 1)
     summary = fit(spec, on_progress=kill)

@@ -199,7 +199,8 @@ def test_corpus_config_loads(name):
 
 
 # Fields whose own default is the string "auto" (not a Hugging Face placeholder).
-AUTO_DEFAULTS = {"data_types.keep_in_fp32_modules", "raydeep.partition_units", "raydeep.offload_target"}
+AUTO_DEFAULTS = {"data_types.keep_in_fp32_modules", "raydeep.partition_units", "raydeep.offload_target",
+                 "raydeep.memory_snapshot_every"}
 
 
 @pytest.mark.parametrize("name", corpus_files())
