@@ -28,6 +28,12 @@ class RaydeepError(Exception):
     """Base class of raydeep's own errors."""
 
 
+class LostResource(RuntimeError):
+    """A process, actor, object or node that the attempt needed was lost. Not a ``RaydeepError``
+    on purpose: a loss is transient, so Ray Train retries the attempt, which resumes from the
+    newest memory snapshot or checkpoint."""
+
+
 class NamedInputError(RaydeepError):
     """A user input that cannot work, named by its key or flag, with its value and a one-line fix.
     Deterministic: retrying cannot help, so a run fails once with this message."""

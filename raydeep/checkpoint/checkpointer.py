@@ -24,7 +24,7 @@ from raydeep.checkpoint.parts import CheckpointParts, CheckpointSettings, CopyFe
 from raydeep.checkpoint.reader import CheckpointReader, resolve_tag
 from raydeep.storage import Storage
 from raydeep.checkpoint.writer import RemoteSink, TagWriter, committed_tags, new_manifest
-from raydeep.errors import CheckpointError, CorruptCheckpointError
+from raydeep.errors import CheckpointError, CorruptCheckpointError, LostResource
 
 logger = logging.getLogger("raydeep")
 
@@ -245,9 +245,9 @@ class Checkpointer:
             result, error = fn(), None
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             result, error = None, err
-        # Whether the failure is damage (an older checkpoint may be intact) travels with the message.
-        message = None if error is None else (f"rank {self.parts.rank}: {error}",
-                                              isinstance(error, CorruptCheckpointError))
+        # What kind of failure travels with the message: damage (an older checkpoint may be intact)
+        # or a loss (an offload actor or object died: the attempt is retried, not the run failed).
+        message = None if error is None else (f"rank {self.parts.rank}: {error}", _failure_kind(error))
         group = self._coordination_group()
         if group is not None and not share:
             digest = zlib.crc32(same.encode()) if same is not None else 0
@@ -260,6 +260,15 @@ class Checkpointer:
         if error is not None and len(failures) == 1:
             raise error  # only this rank failed: keep its own type and traceback
         if failures:
-            kind = CorruptCheckpointError if all(corrupt for _, corrupt in failures) else CheckpointError
-            raise kind(f"checkpoint {step} failed: " + "; ".join(text for text, _ in failures))
+            kinds = {kind for _, kind in failures}
+            error_type = (LostResource if "lost" in kinds else
+                          CorruptCheckpointError if kinds == {"corrupt"} else CheckpointError)
+            raise error_type(f"checkpoint {step} failed: " + "; ".join(text for text, _ in failures))
         return [r for _, r in outcomes] if share or same is not None else result
+
+
+def _failure_kind(error: BaseException) -> str:
+    """``"lost"`` (retryable), ``"corrupt"`` (an older checkpoint may be intact) or ``"failed"``."""
+    if isinstance(error, LostResource):
+        return "lost"
+    return "corrupt" if isinstance(error, CorruptCheckpointError) else "failed"

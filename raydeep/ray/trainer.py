@@ -77,6 +77,11 @@ class RaydeepTorchTrainer(TorchTrainer):
         previous = signal.getsignal(signal.SIGINT) if main_thread else None
         try:
             return super()._initialize_and_run_controller(**controller_init_kwargs)
+        except Exception as failure:
+            # Its traceback's frames hold the controller's handle too (a local of Ray Train's): a
+            # caller that keeps the error (a notebook, a Tune trial, pytest) would keep the
+            # controller actor alive. The message already carries every worker's traceback.
+            raise failure.with_traceback(None) from None
         finally:
             if main_thread:
                 signal.signal(signal.SIGINT, previous)
@@ -216,6 +221,22 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     ds_config, schedule = plan or plan_run(spec)
     connect(spec, address, log_to_driver)
     driver_id = uuid.uuid4().hex
+    result, snapshot, started, error = _run(spec, ds_config, schedule, driver_id, on_progress, poll_interval_s,
+                                            callbacks)
+    if error is not None:
+        # Raised here, where no frame holds a handle of the run's actors: a caller that keeps the
+        # error (a notebook, a Tune trial) keeps nothing of the run alive.
+        raise error
+    summary = build_summary(spec, result.return_value, snapshot, driver_id, started, time.time())
+    write_json(f"{spec.run_uri}/summary.json", summary)
+    return summary
+
+
+def _run(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, driver_id: str, on_progress,
+         poll_interval_s: float, callbacks: Sequence) -> tuple:
+    """``fit``'s Ray Train run: ``(result, monitor snapshot, start time, error)``, the error (a
+    raydeep error, or Ray Train's once it gave up) returned rather than raised, and without
+    traceback frames, once the run's own actors are killed."""
     monitor = start_monitor()
     options = RaydeepSection.model_validate(ds_config.get("raydeep") or {})
     # The driver owns the snapshot store: it outlives every worker group and dies with the driver.
@@ -227,18 +248,15 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     poller = MonitorPoller(monitor, [on_progress, HangPrinter()], poll_interval_s)
     started = time.time()
     poller.start()
+    result = error = None
     try:
         result = trainer.fit()
     except TrainingFailedError as failure:
-        error = deterministic_error(failure)
-        if error is None:
-            raise
-        raise error from None  # its own message says what to fix; the worker traceback adds nothing
+        # A raydeep error's own message says what to fix; the worker traceback adds nothing.
+        error = deterministic_error(failure) or failure.with_traceback(None)
     finally:
         snapshot = poller.stop()
         ray.kill(monitor)
         if snapshots is not None:
             ray.kill(snapshots)
-    summary = build_summary(spec, result.return_value, snapshot, driver_id, started, time.time())
-    write_json(f"{spec.run_uri}/summary.json", summary)
-    return summary
+    return result, snapshot, started, error

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from raydeep.errors import LostResource
 from raydeep.tier.base import OptimizerTier, TierState, UnitRange
 from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.offload_actor import OffloadActor, dtype_of, from_wire, payload_bytes, to_wire, wire_states
@@ -71,7 +72,7 @@ __all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "S
 RESOURCE_SHARE = 0.001
 
 
-class OffloadActorLost(RuntimeError):
+class OffloadActorLost(LostResource):
     """An offload actor died (its node was lost or it was killed), or an object on the way to or
     from one was lost. Retryable: Ray Train restarts the worker group, whose next attempt
     recreates the actors from the last checkpoint."""

@@ -101,3 +101,41 @@ def test_tag_mismatch_in_warn_mode_saves_one_whole_checkpoint(tmp_path):
     assert sorted(reader.manifest["files"]) == [fmt.EXTRA_FILE, fmt.rank_file(0, 2), fmt.rank_file(1, 2)]
     for name in reader.params:  # every element of every parameter is in the one tag
         assert torch.isfinite(reader.full(fmt.MASTER, name)).all()
+
+
+def save_losing_an_offload_actor(directory: str) -> dict:
+    """Rank 1 loses an offload actor while the ranks write their files: what each rank raises."""
+    import raydeep
+    from raydeep import comm
+    from raydeep.checkpoint import snapshot
+    from raydeep.tier.actors import OffloadActorLost
+    from tests.dist.checkpoint_workloads import GLOBAL_BATCH, layout_config
+    from tests.dist.workloads import run_steps, tiny_gpt
+
+    write_remote = snapshot.RankSnapshot.write_remote
+
+    def lost(self, *args):
+        raise OffloadActorLost("an offload actor of this rank was lost (ActorDiedError)")
+    engine, *_ = raydeep.initialize(model=tiny_gpt(), config=layout_config(2, comm.world_size()))
+    run_steps(engine, 1, GLOBAL_BATCH)
+    if comm.rank() == 1:
+        snapshot.RankSnapshot.write_remote = lost
+    try:
+        engine.save_checkpoint(directory, async_save=True)
+        engine.wait_for_checkpoint()
+    except Exception as err:  # noqa: BLE001 - what each rank raises is the result
+        return {"type": [t.__name__ for t in type(err).__mro__], "message": str(err)}
+    finally:
+        snapshot.RankSnapshot.write_remote = write_remote  # the pooled rank runs other workloads
+    return {"type": None}
+
+
+def test_a_lost_offload_actor_fails_the_save_as_a_loss_on_every_rank(tmp_path):
+    """A loss is retried by Ray Train (the attempt resumes from the newest state), never reported
+    as a deterministic checkpoint error: not on the rank that lost its actor, nor on the others."""
+    rank0, rank1 = run_ranks(save_losing_an_offload_actor, 2, str(tmp_path))
+    assert rank1["type"][0] == "OffloadActorLost"
+    assert rank0["type"][0] == "LostResource" and rank0["message"].startswith("checkpoint write failed: rank 1: ")
+    for rank in (rank0, rank1):
+        assert "LostResource" in rank["type"] and "RaydeepError" not in rank["type"]
+    assert not (tmp_path / fmt.LATEST).exists()  # nothing was committed

@@ -25,6 +25,7 @@ drivers, two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -409,3 +410,24 @@ def test_a_lost_trainer_node_resumes_on_one_worker_from_the_memory_snapshot(cli_
     print(f"final loss {summary['final_loss']:.6f} vs {cli_run['final_loss']:.6f} uninterrupted: gap {gap:.2e}")
     assert gap <= 2e-3 * abs(cli_run["final_loss"])
     assert _eventually(_nothing_left)
+
+
+def test_a_failed_run_leaves_nothing_behind(cli_run, cluster, storage):
+    """A run that fails, here at once (it resumes a run whose every checkpoint is damaged: a
+    deterministic error), leaves no actor, placement group or object, even while its caller still
+    holds the error, as a notebook or a Tune trial does."""
+    from raydeep.errors import CorruptCheckpointError
+    from raydeep.ray import TrainSpec, fit
+    from tests.ray.test_trainer import _flip_a_byte
+
+    damaged = storage / "offload-damaged"
+    shutil.copytree(storage / "offload", damaged)
+    for tag in (damaged / "checkpoints").glob("global_step*"):
+        _flip_a_byte(sorted(tag.glob("rank*.safetensors"))[0])
+    spec = TrainSpec(ds_config=_config_file(storage, True), num_workers=2, steps=STEPS + EVERY,
+                     checkpoint_every=EVERY, storage_path=str(storage), name=damaged.name,
+                     resources_per_worker={"trainer": 1})
+    with pytest.raises(CorruptCheckpointError) as failure:
+        fit(spec)
+    assert "no intact checkpoint" in str(failure.value)
+    assert _eventually(_nothing_left), (_alive_run_actors(), _placement_groups(), _objects())
