@@ -82,9 +82,9 @@ def kills(args) -> None:
                                                                       "first_step_at"))
         firsts.append(first)
         lost.append(recovery["steps_lost"])
+        source = recovery["restored_from"].split(" global_step")[0]  # "memory snapshot" or "checkpoint"
         print(f"   step {recovery['last_step_before']:7d}  {recovery['resumed_from_step']:10d}  {recovery['steps_lost']:4d}  "
-              f"{recovery['restored_from'][:16]:16s}  {process:9.1f}  {entered:8.1f}  {built:6.1f}  {ready:8.1f}  "
-              f"{first:10.1f}")
+              f"{source:16s}  {process:9.1f}  {entered:8.1f}  {built:6.1f}  {ready:8.1f}  {first:10.1f}")
     if firsts:
         print(f"   steps lost per kill: {lost}; kill -> next completed step: median {statistics.median(firsts):.1f} s "
               f"(min {min(firsts):.1f}, max {max(firsts):.1f})")

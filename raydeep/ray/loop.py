@@ -128,20 +128,24 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         saving = step == spec.steps or bool(spec.checkpoint_every and step % spec.checkpoint_every == 0)
         if preempted is None and step < spec.steps:
             preempted = _preemption_notice(session, rank)
-        snapshot_due = not saving and (preempted is not None or cadence.due(step))
+        # A step that checkpoints snapshots too when one is due: its checkpoint may still be on its
+        # way to storage when a worker dies, and the snapshot (taken first: it is quick) holds it.
+        snapshot_due = step < spec.steps and (preempted is not None or cadence.due(step))
         metrics.record(engine.step_metrics, loss=last_loss, step_s=seconds, rates=rates, phase=engine.tier.phase,
                        saving=saving or snapshot_due)
         session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
         if saving or snapshot_due:
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
-        if saving:
-            _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
-                        checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest))
-            cadence.saved()
-        elif snapshot_due:
+        snapshot_s = 0.0
+        if snapshot_due:
             snapshot_s = _snapshot(session, engine, metrics, f"global_step{step}", client_state)
             _pace_snapshots(cadence, session, engine, snapshot_s, world)
+        if saving:
+            _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
+                        checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest),
+                        snapshot_s)
+            cadence.saved()
         if preempted is not None and step < spec.steps:
             _wait_out_a_close_deadline(preempted["deadline_s"], time.time() - started)
 
@@ -159,8 +163,10 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
     return result
 
 
-def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict, report: dict) -> None:
-    """Save through the session; the step's metrics row is written first.
+def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict, report: dict,
+                snapshot_s: float = 0.0) -> None:
+    """Save through the session; the step's metrics row is written first. Its ``checkpoint_s``
+    adds the seconds of the step's memory snapshot (``snapshot_s``), taken just before.
 
     Note: the flush comes before the save so that a checkpoint a later attempt may resume from
     never holds a step whose row is not on disk. The save's seconds reach the row at the next
@@ -169,7 +175,7 @@ def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client
     metrics.before_checkpoint()
     started = time.time()
     session.save(engine, tag, client_state, report)
-    metrics.checkpoint_saved(time.time() - started)
+    metrics.checkpoint_saved(snapshot_s + time.time() - started)
 
 
 def _snapshot(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict) -> float:

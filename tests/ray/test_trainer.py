@@ -231,11 +231,12 @@ def snapshot_config(every: int = 1) -> dict:
 
 
 def check_resumed_from_the_newest_state(record: dict, every: int) -> None:
-    """A restart resumed from the newest state there was: the memory snapshot of its step, or the
-    checkpoint where that step saved one (a step that checkpoints takes no snapshot)."""
+    """A restart resumed from the newest state there was: the memory snapshot of its step or, where
+    that step saved a checkpoint, the checkpoint (or the step's snapshot, when the worker died
+    before the checkpoint was committed)."""
     resumed = record["resumed_from_step"]
-    source = "checkpoint" if resumed % every == 0 else "memory snapshot"
-    assert record["restored_from"] == f"{source} global_step{resumed}", record
+    sources = ["checkpoint", "memory snapshot"] if resumed % every == 0 else ["memory snapshot"]
+    assert record["restored_from"] in [f"{source} global_step{resumed}" for source in sources], record
 
 
 def _snapshot_stores() -> list:
@@ -440,7 +441,7 @@ def test_a_drained_node_moves_the_run_without_losing_a_step(shared_ray, uninterr
     step every rank snapshots each step into the driver's memory, and waits once the deadline is
     closer than three steps; at the deadline Ray Train ends the
     worker group and starts it again on the node that is left, which resumes at the last step taken
-    (no snapshot cadence set: the notice alone turns them on; a checkpoint if that step saved one).
+    (no snapshot cadence set: the notice alone turns them on).
     The run ends with the uninterrupted
     run's samples and weights, and with ``max_failures`` 0: a preemption is not a failure."""
     monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")  # read by the controller fit() starts
