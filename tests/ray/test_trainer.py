@@ -394,10 +394,10 @@ def fit_losing_the_node_of_rank_one(shared_ray, spec, after_step: int, settle: b
 
 
 def _wait_for_free_trainers(count: int, timeout_s: float = 60.0) -> None:
-    """Until exactly ``count`` trainer nodes are alive and free, and then until Ray Train's
-    autoscaling coordinator has seen them: an elastic run sizes itself from the coordinator's view
-    of the nodes, which it refreshes every 20 s (``TICK_INTERVAL_S``), and one started sooner after
-    a node was replaced would start on fewer workers."""
+    """Until exactly ``count`` trainer nodes are alive and free, and Ray Train's autoscaling
+    coordinator has seen them: an elastic run sizes itself from the coordinator's view of the
+    nodes, which it refreshes every 20 s (``TICK_INTERVAL_S``), so one started sooner after a node
+    was replaced would start on fewer workers. The coordinator is asked to look now instead."""
     import ray
 
     def ready() -> bool:
@@ -407,7 +407,12 @@ def _wait_for_free_trainers(count: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready() and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(21)
+    try:  # a detached actor of Ray's, started by the first elastic run
+        coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    except ValueError:
+        return  # no elastic run yet: the first one reads the nodes as they are
+    # Its own "recompute against a fresh view of the cluster" (one tick, as its 20 s timer does).
+    ray.get(coordinator.get_reserved_resources.remote("raydeep-tests", recompute=True))
 
 
 class DrainNodeOfRankOne:
