@@ -143,3 +143,16 @@ def test_raydeep_errors_are_not_retried_and_other_worker_errors_are():
     lost = WorkerGroupError("rank 0 died", {0: RuntimeError("actor died")})
     assert deterministic_error(lost) is None
     assert [policy.make_decision(lost) for _ in range(4)] == [FailureDecision.RETRY] * 3 + [FailureDecision.RAISE]
+
+
+def test_a_save_that_lost_an_offload_actor_is_retried():
+    """What every rank raises when one lost an offload actor during a save (the checkpointer's
+    agreement, tests/dist/test_checkpoint_async.py) is a loss, which Ray Train retries."""
+    from raydeep.errors import LostResource
+    from raydeep.tier.actors import OffloadActorLost
+
+    policy = RaydeepFailurePolicy(__import__("ray.train", fromlist=["FailureConfig"]).FailureConfig(max_failures=1))
+    lost = WorkerGroupError("rank 1 failed", {0: LostResource("checkpoint write failed: rank 1: an offload actor ..."),
+                                              1: OffloadActorLost("an offload actor of this rank ... was lost")})
+    assert deterministic_error(lost) is None
+    assert [policy.make_decision(lost) for _ in range(2)] == [FailureDecision.RETRY, FailureDecision.RAISE]
