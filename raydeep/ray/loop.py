@@ -181,9 +181,9 @@ def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client
 def _snapshot(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict) -> float:
     """A memory snapshot through the session, timed in the step's ``checkpoint_s`` as a save is
     (the metrics row is flushed first: a snapshot resumed from has its steps' rows on disk too);
-    returns its seconds."""
-    metrics.before_checkpoint()
+    returns its seconds, the flush's included: "auto" paces what the snapshot costs the run."""
     started = time.time()
+    metrics.before_checkpoint()
     session.snapshot(engine, tag, client_state)
     seconds = time.time() - started
     metrics.checkpoint_saved(seconds)
