@@ -2,7 +2,9 @@
 
 A run directory holds ``metrics/attempt-<A>.parquet``, one file per attempt of the worker group.
 Each file is rewritten whole at every flush (write then rename: a reader never sees a half
-file), one row group per flush, so pyarrow or pandas can read it while the run goes on. A new
+file), so pyarrow or pandas can read it while the run goes on: in two row groups at most, the
+newest flush's rows after every row before them (a flush's cost grows with the rows, not with
+the number of flushes). A new
 attempt resumes from the last checkpoint and trains again the steps after it: before writing
 anything it cuts those steps from the older attempts' files, so across all files every step
 appears once. :func:`read_metrics` reads them all.

@@ -207,7 +207,7 @@ class MetricsWriter:
 
     def __init__(self, storage: Storage, attempt: int):
         self.storage, self.attempt = storage, attempt
-        self.groups: list[pa.Table] = []   # one per flush: the file's row groups
+        self.groups: list[pa.Table] = []   # the file's row groups: the rows before the newest flush, its rows
         self.pending: list[dict] = []      # rows since the last flush
         self.changed = False               # a written row changed since (set_last)
 
@@ -244,12 +244,17 @@ class MetricsWriter:
             self.groups[-1], self.changed = last, True
 
     def flush(self) -> None:
-        """Rewrite the file with every row so far, the pending ones as a new row group (nothing
-        to write, nothing written). A failed write costs a warning, not the run: the rows stay
-        here for the next flush."""
+        """Rewrite the file with every row so far, the pending ones as a new row group after one
+        of every row before them (nothing to write, nothing written). A failed write costs a
+        warning, not the run: the rows stay here for the next flush.
+
+        Note: one row group per flush made each flush cost a write per group: 0.33 s at step
+        15,000 with a flush every 15 steps (a memory snapshot's), against 9 ms in two groups."""
         if not self.pending and not self.changed:
             return
         if self.pending:
+            if len(self.groups) > 1:
+                self.groups = [pa.concat_tables(self.groups).combine_chunks()]
             self.groups.append(pa.Table.from_pylist(self.pending, schema=SCHEMA))
             self.pending = []
         try:

@@ -72,21 +72,41 @@ def test_a_row_has_every_column_of_the_schema(tmp_path):
     assert got["model_state_bytes"] == [4096, 4100] and got["peak_memory_bytes"] == [None, None]
 
 
-def test_one_row_group_per_flush_every_flush_every_steps(tmp_path, one_rank_group):
+def test_a_flush_every_flush_every_steps_after_every_row_before_it(tmp_path, one_rank_group):
     storage = Storage.open(str(tmp_path))
     metrics = StepMetrics(0, 1, torch.device("cpu"), MetricsWriter(storage, attempt=0), flush_every=3)
     for step in range(1, 8):
         metrics.record(engine_values(step, peak_memory_bytes=1000 + step), loss=1.0, step_s=0.5, rates=RATES,
                        phase=None, saving=False)
     assert pq.ParquetFile(storage.path(attempt_file(0))).metadata.num_rows == 6
-    metrics.close()  # the end of the attempt: the last, short group
+    metrics.close()  # the end of the attempt: the last, short group, after one of the 6 before it
     parquet = pq.ParquetFile(storage.path(attempt_file(0)))
-    assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == [3, 3, 1]
+    assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == [6, 1]
     table = read_metrics(str(tmp_path))
     assert steps_of(table) == list(range(1, 8))
     # The memory of each step, gathered at the flushes, lands in its own row.
     assert table.column("peak_memory_bytes").to_pylist() == [[1000 + step] for step in range(1, 8)]
     assert table.column("model_state_bytes").to_pylist() == [[4096]] * 7
+
+
+def test_a_long_run_s_file_keeps_two_row_groups(tmp_path):
+    """A flush rewrites the file: its cost must grow with the rows, not with the flushes so far
+    (a memory snapshot flushes every few steps, for the whole run)."""
+    storage = Storage.open(str(tmp_path))
+    writer = MetricsWriter(storage, attempt=0)
+    for step in range(1, 601):
+        writer.add(row(step))
+        if step % 3 == 0:
+            writer.flush()
+        if step % 30 == 0:
+            writer.set_last(checkpoint_s=0.25)  # a save after its flush changes the newest row
+    writer.flush()
+    parquet = pq.ParquetFile(storage.path(attempt_file(0)))
+    assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == [597, 3]
+    table = read_metrics(str(tmp_path))
+    assert steps_of(table) == list(range(1, 601))
+    saved = [step for step, s in zip(steps_of(table), table.column("checkpoint_s").to_pylist()) if s == 0.25]
+    assert saved == list(range(30, 601, 30))
 
 
 def test_a_reader_during_the_flushes_always_reads_a_whole_file(tmp_path):
@@ -121,7 +141,7 @@ def test_a_new_attempt_cuts_the_steps_it_trains_again_from_older_attempts(tmp_pa
     first.flush()
     second = MetricsWriter.start(str(tmp_path), attempt=1, resumed_from_step=8)
     parquet = pq.ParquetFile(storage.path(attempt_file(0)))
-    assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == [4, 4]
+    assert [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)] == [8]
     for step in range(9, 13):
         second.add(row(step, attempt=1))
     second.flush()
