@@ -146,6 +146,8 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
                         checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest),
                         snapshot_s)
             cadence.saved()
+        elif snapshot_due:
+            metrics.checkpoint_saved(snapshot_s)
         if preempted is not None and step < spec.steps:
             _wait_out_a_close_deadline(preempted["deadline_s"], time.time() - started)
 
@@ -179,15 +181,15 @@ def _checkpoint(session: Session, engine, metrics: StepMetrics, tag: str, client
 
 
 def _snapshot(session: Session, engine, metrics: StepMetrics, tag: str, client_state: dict) -> float:
-    """A memory snapshot through the session, timed in the step's ``checkpoint_s`` as a save is
-    (the metrics row is flushed first: a snapshot resumed from has its steps' rows on disk too);
-    returns its seconds, the flush's included: "auto" paces what the snapshot costs the run."""
+    """A memory snapshot through the session (the metrics rows are flushed first: a snapshot
+    resumed from has its steps' rows on disk too); returns its seconds, the flush's included:
+    "auto" paces what the snapshot costs the run. The caller puts them in the step's
+    ``checkpoint_s``, with the save's when the step also checkpoints: recorded here, they would
+    change a flushed row and make the save's flush rewrite the file once more."""
     started = time.time()
     metrics.before_checkpoint()
     session.snapshot(engine, tag, client_state)
-    seconds = time.time() - started
-    metrics.checkpoint_saved(seconds)
-    return seconds
+    return time.time() - started
 
 
 def _pace_snapshots(cadence: SnapshotCadence, session: Session, engine, snapshot_s: float, world: int) -> None:

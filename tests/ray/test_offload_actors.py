@@ -25,8 +25,8 @@ drivers, two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
