@@ -9,8 +9,10 @@ One attempt of a run, on every rank:
 3. train to ``spec.steps``: each step reads the samples at global positions
    ``[global_samples, global_samples + train_batch_size)`` of the run's sample order, records
    them in the ledger, and every ``checkpoint_every`` steps (and at the end) saves through the
-   session (and every ``raydeep.memory_snapshot_every`` steps in between snapshots into memory); the session hears when each step starts and ends (its step watchdog reports a rank
-   stuck in one) and gets each step's loss, tokens/s and MFU; rank 0 writes the step's row of
+   session (and every ``raydeep.memory_snapshot_every`` steps in between snapshots into memory);
+   the session hears when each step starts and ends (its step watchdog reports a rank stuck in
+   one) and gets each step's loss, tokens/s and MFU once the step's snapshot, when one is due, is
+   whole (a step reported done is never run again); rank 0 writes the step's row of
    ``<run>/metrics/`` (:mod:`raydeep.ray.step_metrics`), flushed before every checkpoint so
    each checkpointed step's row is on disk before the checkpoint can be resumed from;
 4. consolidate the fp32 parameters and return what the run's summary needs.
@@ -133,7 +135,6 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         snapshot_due = step < spec.steps and (preempted is not None or cadence.due(step))
         metrics.record(engine.step_metrics, loss=last_loss, step_s=seconds, rates=rates, phase=engine.tier.phase,
                        saving=saving or snapshot_due)
-        session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
         if saving or snapshot_due:
             client_state = {"ledger": ledger.state_dict(), "attempts": attempts, "first_loss": first_loss,
                             "last_loss": last_loss, "source": source}
@@ -141,6 +142,9 @@ def run_training(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, sess
         if snapshot_due:
             snapshot_s = _snapshot(session, engine, metrics, f"global_step{step}", client_state)
             _pace_snapshots(cadence, session, engine, snapshot_s, world)
+        # Reported done once its snapshot is whole: a step the driver has seen done is never run
+        # again (a kill during the snapshot costs the step, as a kill during its backward would).
+        session.step_done(_step_event(engine, last_loss, seconds, rates, restarts))
         if saving:
             _checkpoint(session, engine, metrics, _tag(step, session.skipped, len(attempts)), client_state,
                         checkpoint_report(step, last_loss, seconds, rates, engine.global_samples, ledger.digest),

@@ -201,7 +201,10 @@ class RaySession:
         from raydeep.ray.memory_snapshots import KEEP
 
         try:
-            engine.save_checkpoint(self.snapshots, tag=tag, client_state=client_state, keep_last_k=KEEP)
+            # Whole when this returns, even under raydeep.checkpoint_async: the loop reports the
+            # step done only then, and "auto" paces what the snapshot really costs.
+            engine.save_checkpoint(self.snapshots, tag=tag, client_state=client_state, keep_last_k=KEEP,
+                                   async_save=False)
         except (ray.exceptions.RayError, CheckpointError, OSError) as err:
             if self.rank == 0:
                 logger.warning("memory snapshot %s failed (%s: %s); snapshots are off for this attempt", tag,
