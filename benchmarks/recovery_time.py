@@ -68,8 +68,9 @@ def kills(args) -> None:
     killer = Killer(args.kills, lambda step, attempt: step >= attempt["resumed_from_step"] + 5)
     steps = (args.kills + 1) * CHECKPOINT_EVERY + 4
     with tempfile.TemporaryDirectory() as storage:
-        summary = fit(spec_for(storage, "kills", steps, args.workers, args.snapshots, CHECKPOINT_EVERY, args.kills),
-                      on_progress=killer, log_to_driver=False)
+        spec = spec_for(storage, "kills", steps, args.workers, args.snapshots, CHECKPOINT_EVERY, args.kills)
+        summary = fit(spec, on_progress=killer, log_to_driver=False)
+        rows = _first_steps(spec.run_uri)
     print(f"1. kills: {os.cpu_count()} cores, {args.workers} workers x 1 CPU, tiny GPT ZeRO-3, checkpoints every "
           f"{CHECKPOINT_EVERY} steps, memory snapshots every {args.snapshots}; {len(killer.killed)} SIGKILLs of rank 1 "
           f"(seconds after each kill):")
@@ -88,6 +89,25 @@ def kills(args) -> None:
     if firsts:
         print(f"   steps lost per kill: {lost}; kill -> next completed step: median {statistics.median(firsts):.1f} s "
               f"(min {min(firsts):.1f}, max {max(firsts):.1f})")
+    print("   the first step of each restarted attempt, from its metrics row (seconds; the run's median step below):")
+    print("   attempt  step  step_s  forward  backward  comm wait  optimizer  other  snapshot")
+    for row in rows:
+        print(f"   {row['attempt']:7d}  {row['step']:4d}  {row['step_s']:6.3f}  {row['forward_s']:7.3f}  "
+              f"{row['backward_s']:8.3f}  {row['comm_wait_s']:9.3f}  {row['optimizer_s']:9.3f}  {row['other_s']:5.3f}  "
+              f"{row['checkpoint_s'] or 0:8.3f}")
+
+
+def _first_steps(run_uri: str) -> list[dict]:
+    """The metrics row of each restarted attempt's first step, then one of the run's medians
+    (attempt -1) of the same columns."""
+    from raydeep.metrics import read_metrics
+
+    rows = read_metrics(run_uri).to_pylist()
+    columns = ("step_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "other_s", "checkpoint_s")
+    firsts = [min((r for r in rows if r["attempt"] == a), key=lambda r: r["step"])
+              for a in sorted({r["attempt"] for r in rows}) if a > 0]
+    median = {c: statistics.median(r[c] or 0.0 for r in rows) for c in columns}
+    return firsts + [{"attempt": -1, "step": 0, **median}]
 
 
 def _steps_wall(run_uri: str) -> tuple[float, float]:

@@ -7,7 +7,9 @@ passes: before first use it is checked against torch's kernel on the running CPU
 
 It is built on first use with ``torch.utils.cpp_extension`` (cached in torch's extension dir; the
 name carries a hash of the source, so an edit rebuilds), for the CPU capability torch dispatches
-to (``torch.backends.cpu.get_cpu_capability()``). Where it cannot be built or does not match
+to (``torch.backends.cpu.get_cpu_capability()``); the build's library path is recorded under
+``$XDG_CACHE_HOME/raydeep/cpu_update/`` (``~/.cache``), and later processes load it from there
+without importing torch's builder. Where it cannot be built or does not match
 torch, ``available()`` is False after one warning and ``fused_adam_step`` runs the four passes.
 ``RAYDEEP_CPU_UPDATE=torch`` forces that fallback (no warning).
 
@@ -72,11 +74,14 @@ def _load() -> tuple[object | None, str]:
     if isinstance(spec, str):
         return None, spec
     name, flags = spec
+    path = _load_built(name)
     try:
-        from torch.utils import cpp_extension
-        clear_stale_lock(_build_directory(cpp_extension, name))
-        path = cpp_extension.load(name, [_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  is_python_module=False, verbose=False)
+        if path is None:
+            from torch.utils import cpp_extension
+            clear_stale_lock(_build_directory(cpp_extension, name))
+            path = cpp_extension.load(name, [_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                      is_python_module=False, verbose=False)
+            _remember_built(name, str(path))
         ops = getattr(torch.ops, name)
     except Exception as exc:  # no compiler, no headers, no ninja, a compile error
         return None, f"the build failed: {_short(exc)}"
@@ -84,6 +89,39 @@ def _load() -> tuple[object | None, str]:
     if mismatch:
         return None, mismatch
     return ops, str(path)
+
+
+# Where each build's library is, by extension name: a process that finds its library there loads
+# it without importing torch.utils.cpp_extension, which imports setuptools (0.1-0.3 s, paid on the
+# first step of every new worker process, so on every restart's path). The name is a hash of the
+# source, the flags and torch's version, so a recorded library is the one a build would produce.
+_BUILT_INDEX = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "raydeep", "cpu_update")
+
+
+def _load_built(name: str) -> str | None:
+    """Load the library a build recorded for ``name``; its path, or None (never recorded, gone,
+    being rebuilt, or not loadable: the caller builds as usual)."""
+    try:
+        with open(os.path.join(_BUILT_INDEX, name)) as f:
+            path = f.read().strip()
+        if os.path.exists(os.path.join(os.path.dirname(path), "lock")):
+            return None  # a build is writing it now: wait for that build the usual way
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError):
+        return None
+    return path
+
+
+def _remember_built(name: str, path: str) -> None:
+    try:
+        os.makedirs(_BUILT_INDEX, exist_ok=True)
+        partial = os.path.join(_BUILT_INDEX, f".{name}.{os.getpid()}")
+        with open(partial, "w") as f:
+            f.write(path)
+        os.replace(partial, os.path.join(_BUILT_INDEX, name))  # whole or absent for a reader
+    except OSError:
+        pass  # a read-only home: each process goes through torch's builder, as before
 
 
 def _build_directory(cpp_extension, name: str) -> str:

@@ -157,6 +157,36 @@ def test_forced_fallback_is_unavailable_and_computes_the_same_bits():
     assert result == {"available": False, "status": "RAYDEEP_CPU_UPDATE=torch", "failures": []}
 
 
+_LOAD_AND_SAY = (
+    "import json, sys, warnings\n"
+    "from raydeep.tier import cpu_update\n"
+    "with warnings.catch_warnings():\n"
+    "    warnings.simplefilter('ignore')\n"
+    "    ok = cpu_update.available()\n"
+    "print(json.dumps({'available': ok, 'status': cpu_update.status(),\n"
+    "                  'builder_imported': 'torch.utils.cpp_extension' in sys.modules}))\n")
+
+
+def test_a_new_process_loads_the_recorded_library_without_torch_s_builder(built, tmp_path):
+    """The first step of every new worker process (a restart's included) used to import torch's
+    extension builder, and with it setuptools, only to learn that the library was built: 0.3 s on
+    a loaded machine. A build records where its library is; a later process loads it directly.
+    A record that points nowhere is passed over: the process builds (here: finds) it as before."""
+    cache = {"XDG_CACHE_HOME": str(tmp_path)}
+    first = _python(_LOAD_AND_SAY, **cache)  # nothing recorded in this cache yet: torch's builder
+    assert first["available"] and first["builder_imported"], first
+    record = next((tmp_path / "raydeep" / "cpu_update").iterdir())
+    assert record.read_text() == first["status"]
+
+    second = _python(_LOAD_AND_SAY, **cache)
+    assert second == {"available": True, "status": first["status"], "builder_imported": False}
+
+    record.write_text(str(tmp_path / "gone.so"))
+    third = _python(_LOAD_AND_SAY, **cache)
+    assert third == {"available": True, "status": first["status"], "builder_imported": True}
+    assert record.read_text() == first["status"]  # recorded again
+
+
 _LOWER = {"AVX512": ("avx2", "default"), "AVX2": ("default",)}.get(torch.backends.cpu.get_cpu_capability(), ())
 
 
