@@ -23,5 +23,6 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/raydeep demo
 
+# tests/ray runs beside the other tests, in a second pytest process (tests/run_suite.sh says why).
 test: venv
-	$(VENV)/bin/python -m pytest -q
+	tests/run_suite.sh $(VENV)/bin/python
