@@ -1,46 +1,38 @@
 #!/usr/bin/env bash
 # The whole suite as `make test` (and so CI) runs it: two pytest processes at once, tests/ray
 # beside everything else. One process alone leaves the cores idle about a third of the time
-# (waiting on Ray's controllers, process start-ups, gloo), and tests/ray is half the suite, so
-# running it beside the rest takes the wall time from about 16-19 minutes to about 12 on 2 cores.
+# (waiting on Ray's controllers, process start-ups, gloo); the other tests fill those gaps.
 #
-# Each process gets its own RAY_TMPDIR (Ray's sessions, sockets and the address file a plain
-# `ray.init()` reads), so a cluster one of them starts is never found by the other. Within each
-# process the tests run in the usual order, one at a time. Exit status: the first failure's.
+# tests/ray runs at normal priority and the rest at `nice 10`, so the Ray tests, whose kills and
+# node losses must land while a short run is still going, keep the CPU as when they run alone,
+# and the other tests take what they leave. Each process gets its own RAY_TMPDIR (Ray's sessions,
+# sockets and the address file a plain `ray.init()` reads), so a cluster one of them starts is
+# never found by the other. Within each process the tests run in the usual order, one at a time.
+# Exit status: the first failure's.
 #
 #   tests/run_suite.sh PYTHON [pytest options...]
 set -u
-python=$1
+python=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")  # absolute, the venv's link kept
 shift
+cd "$(dirname "$0")/.."
 scratch=$(mktemp -d)
 mkdir -p "$scratch/ray-tests" "$scratch/other-tests"
 
-# Ray modules that bring their own cluster (no shared one to start twice) run with the other
-# tests, so that the two processes take about as long.
-beside=(tests/ray/test_job_submit.py)
-ray_args=(tests/ray) other_args=()
-for module in tests/ray/test_*.py; do
-    if [[ " ${beside[*]} " == *" $module "* ]]; then
-        ray_args+=(--ignore="$module")
-    else
-        other_args+=(--ignore="$module")
-    fi
-done
-
-RAY_TMPDIR="$scratch/ray-tests" "$python" -m pytest -q "${ray_args[@]}" "$@" > "$scratch/ray.log" 2>&1 &
-ray_pid=$!
-trap 'kill "$ray_pid" 2>/dev/null; rm -rf "$scratch"' EXIT
+RAY_TMPDIR="$scratch/other-tests" nice -n 10 "$python" -m pytest -q --ignore=tests/ray "$@" \
+    > "$scratch/other.log" 2>&1 &
+other_pid=$!
+trap 'kill "$other_pid" 2>/dev/null; rm -rf "$scratch"' EXIT
 trap 'exit 130' INT TERM
 
-RAY_TMPDIR="$scratch/other-tests" "$python" -m pytest -q "${other_args[@]}" "$@"
-other=$?
-wait "$ray_pid"
+RAY_TMPDIR="$scratch/ray-tests" "$python" -m pytest -q tests/ray "$@"
 ray=$?
+wait "$other_pid"
+other=$?
 
 echo
-echo "=================== tests/ray but ${beside[*]} (ran beside the tests above) ==================="
-cat "$scratch/ray.log"
+echo "=================== every test but tests/ray (ran beside tests/ray, at nice 10) ==================="
+cat "$scratch/other.log"
 echo
-echo "the other tests: exit $other; tests/ray: exit $ray"
-if [ "$other" -ne 0 ]; then exit "$other"; fi
-exit "$ray"
+echo "tests/ray: exit $ray; the other tests: exit $other"
+if [ "$ray" -ne 0 ]; then exit "$ray"; fi
+exit "$other"
