@@ -70,7 +70,7 @@ def kills(args) -> None:
     with tempfile.TemporaryDirectory() as storage:
         spec = spec_for(storage, "kills", steps, args.workers, args.snapshots, CHECKPOINT_EVERY, args.kills)
         summary = fit(spec, on_progress=killer, log_to_driver=False)
-        rows = _first_steps(spec.run_uri)
+        firsts, median = _first_steps(spec.run_uri)
     print(f"1. kills: {os.cpu_count()} cores, {args.workers} workers x 1 CPU, tiny GPT ZeRO-3, checkpoints every "
           f"{CHECKPOINT_EVERY} steps, memory snapshots every {args.snapshots}; {len(killer.killed)} SIGKILLs of rank 1 "
           f"(seconds after each kill):")
@@ -89,25 +89,26 @@ def kills(args) -> None:
     if firsts:
         print(f"   steps lost per kill: {lost}; kill -> next completed step: median {statistics.median(firsts):.1f} s "
               f"(min {min(firsts):.1f}, max {max(firsts):.1f})")
-    print("   the first step of each restarted attempt, from its metrics row (seconds; the run's median step below):")
-    print("   attempt  step  step_s  forward  backward  comm wait  optimizer  other  snapshot")
-    for row in rows:
-        print(f"   {row['attempt']:7d}  {row['step']:4d}  {row['step_s']:6.3f}  {row['forward_s']:7.3f}  "
-              f"{row['backward_s']:8.3f}  {row['comm_wait_s']:9.3f}  {row['optimizer_s']:9.3f}  {row['other_s']:5.3f}  "
-              f"{row['checkpoint_s'] or 0:8.3f}")
+    print("   the first step of each restarted attempt, from its metrics row (seconds), and the run's median step:")
+    print("   attempt  step  " + "  ".join(f"{name:>9s}" for name in STEP_COLUMNS.values()))
+    for label, step, row in [(str(r["attempt"]), str(r["step"]), r) for r in firsts] + [("median", "", median)]:
+        print(f"   {label:>7s}  {step:>4s}  " + "  ".join(f"{row[c] or 0:9.3f}" for c in STEP_COLUMNS))
 
 
-def _first_steps(run_uri: str) -> list[dict]:
-    """The metrics row of each restarted attempt's first step, then one of the run's medians
-    (attempt -1) of the same columns."""
+# The step's metrics columns the kill part prints, with their headings.
+STEP_COLUMNS = {"step_s": "step_s", "forward_s": "forward", "backward_s": "backward", "comm_wait_s": "comm wait",
+                "optimizer_s": "optimizer", "other_s": "other", "checkpoint_s": "snapshot"}
+
+
+def _first_steps(run_uri: str) -> tuple[list[dict], dict]:
+    """The metrics row of each restarted attempt's first step, and the run's median of each of
+    :data:`STEP_COLUMNS`."""
     from raydeep.metrics import read_metrics
 
     rows = read_metrics(run_uri).to_pylist()
-    columns = ("step_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "other_s", "checkpoint_s")
     firsts = [min((r for r in rows if r["attempt"] == a), key=lambda r: r["step"])
               for a in sorted({r["attempt"] for r in rows}) if a > 0]
-    median = {c: statistics.median(r[c] or 0.0 for r in rows) for c in columns}
-    return firsts + [{"attempt": -1, "step": 0, **median}]
+    return firsts, {c: statistics.median(r[c] or 0.0 for r in rows) for c in STEP_COLUMNS}
 
 
 def _steps_wall(run_uri: str) -> tuple[float, float]:
