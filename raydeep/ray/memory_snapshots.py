@@ -13,6 +13,12 @@ on their own cadence; a restart loads whichever of the newest intact snapshot an
 checkpoint is further along, and falls back to the checkpoint (with a warning naming what was
 lost) when the store cannot be read.
 
+With the actor tier the store is also the owner of the offload actors
+(:mod:`raydeep.ray.snapshot_holders`): they outlive the rank that uses them, and each keeps the
+part files it writes into a snapshot in its own memory, on its CPU node, where the store only
+records who holds them. A snapshot's masters and optimizer states never travel to the driver's
+node; a restart reads them from the actors that wrote them.
+
 >>> import ray  # doctest: +SKIP
 >>> store = start_store()  # doctest: +SKIP
 >>> storage = snapshot_storage(store, "run")  # doctest: +SKIP
@@ -35,25 +41,41 @@ KEEP = 2  # snapshots kept: the newest, and the one before it while the newest i
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class SnapshotStore:
-    """Files by path, in this process's memory; directories are the paths' prefixes and the ones
-    created explicitly."""
+    """Files by path, in this process's memory or held by the offload actors that wrote them;
+    directories are the paths' prefixes and the ones created explicitly. Also the owner of the
+    run's offload actors (``create_offload_actors``), which therefore outlive the ranks that use
+    them and die with the store."""
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
+        self.held: dict[str, tuple] = {}  # path -> (holder actor, its key, size)
         self.dirs: set[str] = {"/"}
+        self.actors: dict[str, list] = {}  # attempt -> the offload actors it created
+        self.orphans: set = set()  # earlier attempts' actors that still hold files (handles hash by actor id)
 
     def put(self, path: str, data: bytes) -> None:
+        self._forget(path)
         self._make_dir(posixpath.dirname(path))
         self.files[path] = data
 
-    def get(self, path: str) -> bytes:
-        if path not in self.files:
-            raise FileNotFoundError(path)
-        return self.files[path]
+    def put_held(self, path: str, holder, key: str, size: int) -> None:
+        """Record that ``holder`` keeps file ``path`` (``size`` bytes) under ``key``."""
+        self._forget(path)
+        self._make_dir(posixpath.dirname(path))
+        self.held[path] = (holder, key, size)
+
+    def get(self, path: str):
+        """A file's bytes, or ``(holder, key)`` for a file an offload actor holds (the reader asks
+        the holder: the bytes do not pass through here)."""
+        if path in self.files:
+            return self.files[path]
+        if path in self.held:
+            return self.held[path][:2]
+        raise FileNotFoundError(path)
 
     def info(self, paths: list[str]) -> list[tuple[str, int]]:
         """("file", size), ("dir", 0) or ("none", 0) for each path."""
-        return [("file", len(self.files[p])) if p in self.files else ("dir", 0) if p in self.dirs else ("none", 0)
+        return [("file", self._size(p)) if self._size(p) is not None else ("dir", 0) if p in self.dirs else ("none", 0)
                 for p in paths]
 
     def children(self, base: str, recursive: bool) -> list[tuple[str, str, int]]:
@@ -62,7 +84,7 @@ class SnapshotStore:
             return None
         prefix = base.rstrip("/") + "/"
         out = [(d, "dir", 0) for d in self.dirs if d.startswith(prefix) and d != prefix]
-        out += [(f, "file", len(data)) for f, data in self.files.items() if f.startswith(prefix)]
+        out += [(f, "file", self._size(f)) for f in [*self.files, *self.held] if f.startswith(prefix)]
         if not recursive:
             out = [entry for entry in out if "/" not in entry[0][len(prefix):]]
         return out
@@ -73,28 +95,82 @@ class SnapshotStore:
     def delete(self, path: str, contents_only: bool = False) -> None:
         prefix = path.rstrip("/") + "/"
         self.files = {f: d for f, d in self.files.items() if not f.startswith(prefix) and f != path}
+        for f in [f for f in self.held if f.startswith(prefix) or f == path]:
+            self._forget(f)
         self.dirs = {d for d in self.dirs if not d.startswith(prefix) and (contents_only or d != path)}
 
     def move(self, src: str, dst: str) -> None:
-        if src in self.files:
-            self.put(dst, self.files.pop(src))
+        if src in self.files or src in self.held:
+            self._move_file(src, dst)
             return
         prefix = src.rstrip("/") + "/"
-        for f in [f for f in self.files if f.startswith(prefix)]:
-            self.put(dst + f[len(src):], self.files.pop(f))
+        for f in [f for f in [*self.files, *self.held] if f.startswith(prefix)]:
+            self._move_file(f, dst + f[len(src):])
         self.dirs = {dst + d[len(src):] if d == src or d.startswith(prefix) else d for d in self.dirs}
 
     def bytes_held(self) -> int:
+        """Bytes of the files in this process (not those the offload actors hold)."""
         return sum(len(d) for d in self.files.values())
 
+    def bytes_held_by_actors(self) -> int:
+        return sum(size for _, _, size in self.held.values())
+
     def room(self) -> tuple[int, int | None]:
-        """(bytes of the largest snapshot held, bytes of memory still available on this node, or
-        None where it cannot be read)."""
+        """(bytes of the largest snapshot held here, bytes of memory still available on this
+        node, or None where it cannot be read)."""
         sizes: dict[str, int] = {}
         for path, data in self.files.items():
             tag = "/".join(path.split("/")[:3])  # /snapshots/<tag>
             sizes[tag] = sizes.get(tag, 0) + len(data)
         return max(sizes.values(), default=0), available_memory()
+
+    # --- the offload actors' owner (raydeep.ray.snapshot_holders) ---------------------------------------
+    def create_offload_actors(self, attempt: str, options: list[dict], args: list[tuple]) -> list:
+        """Offload actors for a rank of ``attempt``, owned here (the handles are kept, so they live
+        until the rank kills them or this store dies). The first call of a new attempt retires the
+        earlier attempts' actors: those that hold no snapshot file are killed, the others drop
+        their training state and are killed once their last file is deleted."""
+        from raydeep.ray.snapshot_holders import HoldingOffloadActor
+
+        if attempt not in self.actors:
+            for earlier in self.actors.values():
+                for actor in earlier:
+                    self.orphans.add(actor)
+                    actor.retire.remote()
+            self.actors = {attempt: []}
+            self._kill_idle_orphans()
+        remote = ray.remote(HoldingOffloadActor)
+        made = [remote.options(**o).remote(*a) for o, a in zip(options, args)]
+        self.actors[attempt] += made
+        return made
+
+    def _kill_idle_orphans(self) -> None:
+        idle = self.orphans - {holder for holder, _, _ in self.held.values()}
+        for actor in idle:
+            ray.kill(actor, no_restart=True)
+        self.orphans -= idle
+
+    def _size(self, path: str) -> int | None:
+        if path in self.files:
+            return len(self.files[path])
+        return self.held[path][2] if path in self.held else None
+
+    def _move_file(self, src: str, dst: str) -> None:
+        if src in self.files:
+            self.put(dst, self.files.pop(src))
+        else:
+            entry = self.held.pop(src)
+            self.put_held(dst, *entry)
+
+    def _forget(self, path: str) -> None:
+        """Drop file ``path``; a held one is dropped by its holder too (not waited for)."""
+        self.files.pop(path, None)
+        entry = self.held.pop(path, None)
+        if entry is not None:
+            holder, key, _ = entry
+            holder.drop_held.remote(key)
+            if holder in self.orphans:
+                self._kill_idle_orphans()
 
     def _make_dir(self, path: str) -> None:
         while path and path not in self.dirs:
@@ -154,8 +230,14 @@ class _Upload(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            ray.get(self.store.put.remote(self.path, b"".join(self.chunks)))
+            from raydeep.ray import snapshot_holders
+
+            data = b"".join(self.chunks)
             self.chunks = []
+            if snapshot_holders.holding_here():  # an offload actor keeps its own part files
+                ray.get(self.store.put_held.remote(self.path, *snapshot_holders.hold(data)))
+            else:
+                ray.get(self.store.put.remote(self.path, data))
         super().close()
 
 
@@ -202,13 +284,21 @@ class StoreHandler(pafs.FileSystemHandler):
         ray.get(self.store.move.remote(src, dest))
 
     def copy_file(self, src: str, dest: str) -> None:
-        ray.get(self.store.put.remote(dest, ray.get(self.store.get.remote(src))))
+        ray.get(self.store.put.remote(dest, self._read(src)))
 
     def open_input_stream(self, path: str):
-        return pa.BufferReader(ray.get(self.store.get.remote(path)))
+        return pa.BufferReader(self._read(path))
 
     def open_input_file(self, path: str):
-        return pa.BufferReader(ray.get(self.store.get.remote(path)))
+        return pa.BufferReader(self._read(path))
+
+    def _read(self, path: str) -> bytes:
+        found = ray.get(self.store.get.remote(path))
+        if isinstance(found, bytes):
+            return found
+        from raydeep.ray.snapshot_holders import read_held
+
+        return read_held(path, *found)
 
     def open_output_stream(self, path: str, metadata=None):
         return pa.PythonFile(_Upload(self.store, path), mode="w")

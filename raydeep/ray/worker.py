@@ -48,7 +48,9 @@ from raydeep.console_lines import ConsoleLines
 from raydeep.errors import CheckpointError
 from raydeep.ray.gauges import StepGauges
 from raydeep.ray.loop import run_training
+from raydeep.ray.snapshot_holders import StoreOwner
 from raydeep.ray.watchdog import HangReporter, StepWatchdog
+from raydeep.tier.actors import actors_owned_by
 
 logger = logging.getLogger("raydeep")
 
@@ -62,7 +64,8 @@ def train_loop_per_worker(config: dict) -> dict:
     session = RaySession(spec, config.get("monitor"), config.get("driver_id", ""), entered_at, config["ds_config"],
                          config.get("snapshot_store"), config.get("preemption_watch", False))
     try:
-        return run_training(spec, config["ds_config"], config["schedule"], session)
+        with actors_owned_by(session.offload_owner()):
+            return run_training(spec, config["ds_config"], config["schedule"], session)
     finally:
         session.close()
 
@@ -168,14 +171,24 @@ class RaySession:
                 return None
             tag, client_state, _ = engine.load_first_intact(self.snapshots, tags)
         except (ray.exceptions.RayError, CheckpointError) as err:
-            self.snapshots_lost = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            # The store's own loss, or every newer snapshot damaged (a file unreadable: the offload
+            # actor holding it was lost); the second line of the latter names the first file.
+            lines = str(err).splitlines()
+            self.snapshots_lost = f"{type(err).__name__}: {' '.join(line.strip() for line in lines[:2])}"
             if self.rank == 0:
                 logger.warning("memory snapshots lost (%s): resuming from the storage checkpoint instead",
                                self.snapshots_lost)
-            self.snapshots = None  # a store that failed once is not written to again
+            if isinstance(err, ray.exceptions.RayError):
+                self.snapshots = None  # a store that failed once is not written to again
             return None
         self.restored_from = f"memory snapshot {tag}"
         return client_state
+
+    def offload_owner(self) -> StoreOwner | None:
+        """Who creates this attempt's offload actors: the snapshot store, when the run keeps one,
+        so that they outlive this worker with their part of the snapshots
+        (:mod:`raydeep.ray.snapshot_holders`)."""
+        return StoreOwner(self.store, self.token) if self.snapshots is not None else None
 
     def preemption_notice(self) -> dict | None:
         """Ray Train's preemption info (``ray.train.get_preemption_info``, the same on every rank:

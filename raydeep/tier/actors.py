@@ -41,10 +41,13 @@ of the rank's staging location (a node-local directory on another node) hands it
 rank instead, which writes the same file. The commit stays the checkpoint's: the rank reports its
 digests only after its actors' files are written, and the manifest comes last.
 
-Fault model: Ray Train restarts the whole worker group. The actors are created by the worker
-with ``max_restarts=0``, so they share its fate: they die with it, and a dead actor or a lost
-object fails the attempt (``OffloadActorLost``, retried) whose next attempt recreates them from
-the checkpoint. No placement group is created, so none can leak.
+Fault model: Ray Train restarts the whole worker group. The actors have ``max_restarts=0``: a
+dead actor or a lost object fails the attempt (``OffloadActorLost``, retried), whose next attempt
+creates new ones and loads them from the newest snapshot or checkpoint. Left to itself the tier
+creates its actors, so they die with the rank; under ``actors_owned_by`` (a Ray Train run keeping
+memory snapshots) the run's snapshot store creates them, they outlive the rank, and they keep
+their part of each memory snapshot for the next attempt (``raydeep.ray.snapshot_holders``). No
+placement group is created, so none can leak.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -64,12 +68,29 @@ from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.offload_actor import OffloadActor, dtype_of, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
 
-__all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "fetch", "from_wire",
-           "lost_errors", "to_wire"]
+__all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "actors_owned_by", "fetch",
+           "from_wire", "lost_errors", "to_wire"]
 
 # An offload actor takes this much of the marking resource: the resource marks nodes, the CPUs
 # an actor asks for (``offload_actor_cpus``) are what limit how many fit on one.
 RESOURCE_SHARE = 0.001
+
+_owner = None  # who creates this process's offload actors (``actors_owned_by``); None: the tier itself
+
+
+@contextmanager
+def actors_owned_by(owner):
+    """Offload actors created meanwhile in this process are created by ``owner``
+    (``owner.create(options, args) -> handles``: Ray actor options and constructor arguments, one
+    per actor), which outlives the process, instead of by the tier, which dies with it. A
+    process-wide setting because the engine builds its tier from a ds_config, which carries no
+    Ray handle. Used by Ray Train workers (``raydeep.ray.snapshot_holders``)."""
+    global _owner
+    previous, _owner = _owner, owner
+    try:
+        yield
+    finally:
+        _owner = previous
 
 
 class OffloadActorLost(LostResource):
@@ -199,12 +220,16 @@ class ActorTier(OptimizerTier):
         self._driver: ThreadPoolExecutor | None = None
         # Array bytes sent to and received from the actors (gradients, parameters, states).
         self.traffic = {"sent": 0, "received": 0}
-        remote = ray.remote(OffloadActor)
         tag = uuid.uuid4().hex[:12]  # named, so `ray list actors` and ray.get_actor can find them
-        self.actors = [remote.options(name=f"raydeep-offload-{tag}-{a}", max_restarts=0, max_task_retries=0,
-                                      num_cpus=cpus_per_actor, **placement)
-                       .remote(self._mine(a), group_options, make_optimizer, threads or int(max(1, cpus_per_actor)))
-                       for a in range(count)]
+        options = [dict(name=f"raydeep-offload-{tag}-{a}", max_restarts=0, max_task_retries=0,
+                        num_cpus=cpus_per_actor, **placement) for a in range(count)]
+        args = [(self._mine(a), group_options, make_optimizer, threads or int(max(1, cpus_per_actor)))
+                for a in range(count)]
+        if _owner is not None:
+            self.actors = _owner.create(options, args)
+        else:
+            remote = ray.remote(OffloadActor)
+            self.actors = [remote.options(**o).remote(*a) for o, a in zip(options, args)]
         self.placement = placement
         started = [actor.start.remote([to_wire(self.units[c.unit].local[c.lo:c.hi]) for c in self._chunks(a)],
                                       str(units[0].dtype).removeprefix("torch."))

@@ -53,7 +53,7 @@ def cluster(shared_ray):
 def _alive_offload_actors() -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("class_name", "=", "OffloadActor")], limit=1000) if a.state == "ALIVE"]
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000) if a.class_name in OFFLOAD_ACTORS]
 
 
 def _placement_groups() -> list:
@@ -260,7 +260,9 @@ def _eventually(check, timeout_s: float = 30.0) -> bool:
 
 # The actors a run starts: its own (offload actors, the snapshot store, the progress monitor) and
 # Ray Train's (the controller and the worker group).
-RUN_ACTORS = ("OffloadActor", "SnapshotStore", "RunMonitor", "TrainController", "RayTrainWorker")
+# Offload actors: made by the rank, or by a run's snapshot store (raydeep.ray.snapshot_holders).
+OFFLOAD_ACTORS = ("OffloadActor", "HoldingOffloadActor")
+RUN_ACTORS = (*OFFLOAD_ACTORS, "SnapshotStore", "RunMonitor", "TrainController", "RayTrainWorker")
 
 
 def _alive_run_actors() -> list:

@@ -1,0 +1,147 @@
+"""Offload actors that outlive their rank hold their part of each memory snapshot
+(``raydeep.ray.snapshot_holders``).
+
+On the package's simulated cluster, a snapshot store (this process its driver, as ``fit``'s is)
+owns the offload actors of 2 gloo ranks that train a GPT in bf16 at stage 2 (2 actors per rank),
+snapshot at step 2 into the store, train 2 more steps and exit without closing anything, as
+killed ranks would. Then:
+
+- what reached the store's process is the ranks' own small files; the masters and AdamW states
+  (12 bytes per element) stayed in the actors, which are still alive;
+- a new attempt of 2 ranks (its own new actors) loads the snapshot from them and trains the same
+  2 steps bit for bit; so does 1 rank, like a load of the same step's storage checkpoint;
+- the first attempt's actors dropped their training state; once the store deletes the snapshot
+  they are killed; a file whose holder is lost cannot be read, and the error names the file and
+  the actor.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+import torch
+
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.slow
+BEFORE, AFTER = 2, 2
+STORE, NAMESPACE = "snapshot-holders-store", "raydeep-tests"
+SUB_GROUP = 1 << 18  # several sub-groups per rank, so each of the 2 actors per rank owns some
+
+
+def _engine(actors: bool):
+    import raydeep
+    from raydeep import comm
+    from raydeep.models import build_gpt
+    from tests.dist.checkpoint_workloads import layout_config
+    from tests.dist.workloads import SEQ
+
+    torch.manual_seed(0)
+    cfg = layout_config(2, comm.world_size(), bf16={"enabled": True})
+    if actors:
+        cfg["zero_optimization"].update(offload_optimizer={"device": "cpu"}, sub_group_size=SUB_GROUP)
+        cfg["raydeep"] = {"offload_target": "actors", "offload_actors_per_rank": 2, "offload_actor_cpus": 0.5}
+    engine, *_ = raydeep.initialize(model=build_gpt("gpt-tiny", block_size=SEQ, n_layer=4, n_embd=256, n_head=4),
+                                    config=cfg)
+    return engine
+
+
+def _attempt(address: str, attempt: str, directory: str, load: str | None) -> dict:
+    """One attempt's rank: its offload actors made by the store. The first (``load`` None)
+    trains, snapshots into the store and checkpoints to ``directory`` at step ``BEFORE``, trains
+    on and leaves without closing anything; a later one loads ``load`` ("snapshot" or
+    "checkpoint") and trains on, with or without (``attempt`` ending in "-none") offload."""
+    from raydeep.ray.memory_snapshots import snapshot_storage
+    from raydeep.ray.snapshot_holders import StoreOwner
+    from raydeep.tier.actors import actors_owned_by
+    from tests.dist.checkpoint_workloads import continue_training
+    from tests.dist.workloads import run_steps
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        store = ray.get_actor(STORE, namespace=NAMESPACE)
+        snapshots = snapshot_storage(store, "holders")
+        with actors_owned_by(StoreOwner(store, attempt)):
+            engine = _engine(actors=not attempt.endswith("-none"))
+        out = {"tier": type(engine.tier).__name__}
+        if load is None:
+            run_steps(engine, BEFORE, 12)
+            out["shard"] = sum(end - start for start, end, _ in (u.held_range() for u in engine.tier.units))
+            engine.save_checkpoint(snapshots, tag=f"global_step{BEFORE}")
+            engine.save_checkpoint(directory, tag=f"global_step{BEFORE}")
+        else:
+            engine.load_checkpoint(snapshots if load == "snapshot" else directory)
+        out.update(continue_training(engine, AFTER))
+        if load is not None:
+            engine.destroy()
+        return out  # the first attempt's actors are left as a killed rank leaves them
+    finally:
+        ray.shutdown()
+
+
+def _holders() -> list:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+            if a.class_name == "HoldingOffloadActor"]
+
+
+def _eventually(check, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(torch.equal(a["params"][k], v) for k, v in b["params"].items())
+
+
+def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, tmp_path):
+    from raydeep.ray.memory_snapshots import SnapshotStore, snapshot_storage
+
+    store = SnapshotStore.options(name=STORE, namespace=NAMESPACE).remote()
+    try:
+        first = run_ranks(_attempt, 2, shared_ray.address, "first", str(tmp_path), None, fresh=True)
+        here, in_actors = ray.get(store.bytes_held.remote()), ray.get(store.bytes_held_by_actors.remote())
+        shard = sum(r["shard"] for r in first)
+        print(f"\nsnapshot of {shard:,} elements in 2 ranks: {here:,} bytes in the store, {in_actors:,} held by the "
+              f"offload actors ({in_actors / shard:.2f} bytes per element)")
+        assert in_actors >= 12 * shard  # fp32 masters and both AdamW moments, in the actors
+        assert here < 0.05 * in_actors  # the ranks' own files: no masters, no states
+        first_actors = {a.actor_id for a in _holders()}
+        assert len(first_actors) == 4  # 2 ranks x 2 actors, alive after their ranks left
+
+        again = run_ranks(_attempt, 2, shared_ray.address, "second", str(tmp_path), "snapshot", fresh=True)
+        assert again[0]["tier"] == "ActorTier" and _same(again[0], first[0])
+        # The first attempt's actors keep only their files; the second's were closed by their rank.
+        assert {a.actor_id for a in _holders()} == first_actors
+
+        loads = [("third-none", "checkpoint"), ("fourth-none", "snapshot"), ("fifth", "snapshot")]
+        one = [run_ranks(_attempt, 1, shared_ray.address, attempt, str(tmp_path), load, fresh=True)[0]
+               for attempt, load in loads]
+        assert one[0]["tier"] == "LocalTier" and one[2]["tier"] == "ActorTier"
+        assert _same(one[1], one[0]) and _same(one[2], one[0])
+
+        # A lost holder: its files cannot be read, and the error says which and why.
+        storage = snapshot_storage(store, "holders")
+        held = [n for n in json.loads(storage.read(f"global_step{BEFORE}/manifest.json"))["files"] if "-part" in n]
+        assert len(held) == 4
+        victim = next(a for a in _holders())
+        ray.kill(ray.get_actor(victim.name, namespace=victim.ray_namespace), no_restart=True)
+        errors = []
+        for name in held:
+            try:
+                storage.read(f"global_step{BEFORE}/{name}")
+            except OSError as err:
+                errors.append(str(err))
+        assert len(errors) == 1 and victim.name in errors[0] and "lost" in errors[0], errors
+
+        ray.get(store.delete.remote("/", True))  # the snapshots replaced: their holders go
+        assert _eventually(lambda: _holders() == []), _holders()
+    finally:
+        ray.kill(store)
