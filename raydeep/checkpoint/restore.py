@@ -1,9 +1,10 @@
 """Load a checkpoint into a run's stateful parts, at any ZeRO stage and world size.
 
 Every rank reads exactly the element ranges its FlatUnits own now (the whole unit for stage 0),
-whatever layout wrote them, into a ``TierState``; the optimizer tier takes the fp32 masters and
-optimizer states from it and the strategy publishes the parameters the same way an optimizer
-step does. Scalar states (``step``) and hyperparameters come from the manifest.
+whatever layout wrote them, into a ``TierState`` (or its offload actors read their own parts of
+them, ``remote_load``, where they reach the checkpoint's storage); the optimizer tier takes the
+fp32 masters and optimizer states from it and the strategy publishes the parameters the same way
+an optimizer step does. Scalar states (``step``) and hyperparameters come from the manifest.
 """
 from __future__ import annotations
 
@@ -48,7 +49,13 @@ def read_shards(parts: CheckpointParts, reader: CheckpointReader, with_optimizer
     and hyperparameters). Nothing in training changes yet."""
     check_compatible(parts.units, reader, strict)
     reader.extra()  # verify it now too
-    units = [_read_unit(unit, reader, with_optimizer) for unit in parts.units]
+    if parts.tier.remote_load is not None and not reader.storage.is_local:
+        # The offload actors read their own ranges where every node reaches them (an object
+        # store, the memory snapshots): the masters and states never pass through this rank.
+        parts.tier.remote_load(reader, with_optimizer)
+        units = [_ranges_only(unit, reader, with_optimizer) for unit in parts.units]
+    else:
+        units = [_read_unit(unit, reader, with_optimizer) for unit in parts.units]
     if not with_optimizer:
         return TierState(units)
     state = _optimizer_state(parts.tier, reader.manifest, units)
@@ -119,6 +126,13 @@ def _read_unit(unit, reader: CheckpointReader, with_optimizer: bool) -> UnitRang
         for kind, buf in piece.states.items():
             buf[s - start:e - start].copy_(reader.read_range(kind, slot.name, lo, hi))
     return piece
+
+
+def _ranges_only(unit, reader: CheckpointReader, with_optimizer: bool) -> UnitRange:
+    """``_read_unit``'s range and kinds, with empty tensors: the tier's processes read the values."""
+    start, end, _ = held_range(unit)
+    kinds = reader.manifest["optimizer"]["state_keys"] if with_optimizer else []
+    return UnitRange(start, end, torch.empty(0), {kind: torch.empty(0, dtype=reader.state_dtype(kind)) for kind in kinds})
 
 
 def _optimizer_state(tier, manifest: dict, units: list[UnitRange]) -> TierState:

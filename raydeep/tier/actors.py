@@ -216,6 +216,7 @@ class ActorTier(OptimizerTier):
         self.owner = [(k % count, k // count) for k in range(len(self.sub_groups))]
         self.in_flight_limit = 2 * count  # see the module docstring's note
         self._pending: StepHandle | None = None
+        self._staged: dict[str, str] | None = None  # after remote_load: the state kinds (and dtypes) staged
         self._held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # background: gradients, parameters
         self._driver: ThreadPoolExecutor | None = None
         # Array bytes sent to and received from the actors (gradients, parameters, states).
@@ -393,8 +394,13 @@ class ActorTier(OptimizerTier):
         return [s for part_segments, _, _ in parts for s in part_segments], dtypes, scalars
 
     def _import(self, pieces: list[UnitRange], scalars) -> None:
-        """Each actor gets the parts of ``pieces`` inside its own chunks, and nothing else."""
+        """Each actor gets the parts of ``pieces`` inside its own chunks, and nothing else; after
+        ``remote_load`` each loads what it staged instead (``pieces`` are not read)."""
         assert self._pending is None, "an update is in flight"
+        if self._staged is not None:
+            kinds, self._staged = [self._staged] * len(self.units), None
+            self._take_parameters([self._call(actor.load_staged, kinds, scalars) for actor in self.actors])
+            return
         kinds = [{k: str(v.dtype).removeprefix("torch.") for k, v in p.states.items()} for p in pieces]
         calls = []
         for a, actor in enumerate(self.actors):
@@ -407,9 +413,50 @@ class ActorTier(OptimizerTier):
                     parts.append((c.unit, lo, hi, to_wire(piece.master[cut]),
                                   wire_states({k: v[cut] for k, v in piece.states.items()})))
             calls.append(self._call(actor.load, parts, kinds, scalars))
+        self._take_parameters(calls)
+
+    def _take_parameters(self, calls: list) -> None:
+        """Copy what each actor's ``calls[a]`` returns, its chunks' parameters, into ``unit.local``."""
         for a, arrays in enumerate(self._get(calls)):
             for c, arr in zip(self._chunks(a), arrays):
                 self.units[c.unit].local[c.lo:c.hi].copy_(from_wire(arr, self.units[c.unit].dtype))
+
+    def remote_load(self, reader, with_optimizer: bool) -> None:
+        """Phase 1 of a checkpoint load (``raydeep.checkpoint.restore``) done by the actors: each
+        reads its own chunks' ranges of the checkpoint from its storage (``reader.storage``, which
+        every actor must reach: an object store, or the run's memory snapshots, whose files other
+        offload actors may hold), verifies them and stages them, so nothing of the masters and
+        states passes through the rank. The next ``load_state_dict`` loads what was staged and
+        does not read its ranges' tensors. Raises the checkpoint error an actor found (nothing is
+        loaded then)."""
+        from raydeep.checkpoint.format import MASTER
+        from raydeep.errors import CheckpointError, CorruptCheckpointError
+
+        assert self._pending is None, "an update is in flight"
+        states = list(reader.manifest["optimizer"]["state_keys"]) if with_optimizer else []
+        calls = [self._call(actor.stage, reader.storage, reader.tag, reader.manifest, self._load_plan(a),
+                            [MASTER, *states]) for a, actor in enumerate(self.actors)]
+        failures = [found for found in self._get(calls) if found is not None]
+        if failures:
+            kind, message = failures[0]
+            raise (CorruptCheckpointError if kind == CorruptCheckpointError.__name__ else CheckpointError)(message)
+        self._staged = {kind: str(reader.state_dtype(kind)).removeprefix("torch.") for kind in states}
+
+    def _load_plan(self, a: int) -> list[tuple]:
+        """Actor ``a``'s part of a load, as ``OffloadActor.stage`` takes it: per chunk, the range a
+        checkpoint holds of it (the unit's held range: padding excluded) and its parameters'
+        pieces there."""
+        from raydeep.checkpoint.snapshot import pieces_in
+
+        plan = []
+        for c in self._chunks(a):
+            unit = self.units[c.unit]
+            start, end, base = unit.held_range()
+            lo, hi = max(start, base + c.lo), min(end, base + c.hi)
+            if lo < hi:
+                pieces = [(slot.name, s - slot.offset, e - slot.offset, s - lo) for slot, s, e in pieces_in(unit, lo, hi)]
+                plan.append((c.unit, lo - base, hi - base, pieces))
+        return plan
 
     def remote_snapshot(self, ranges: list[tuple[int, int]]) -> RemoteSnapshot:
         """Like ``state_dict(ranges)``, but the masters and states are copied inside the actors and

@@ -73,6 +73,7 @@ class OffloadActor:
         self.model_dtype = torch.float32
         self._out: torch.Tensor | None = None
         self._saved: tuple[str, torch.Tensor, dict[str, torch.Tensor]] | None = None  # (key, master, states)
+        self._staged: list[tuple] | None = None  # a checkpoint's ranges read by ``stage``, until loaded
 
     def start(self, masters: list[np.ndarray], dtype_name: str) -> str:
         """Build the fp32 masters from the rank's parameters (model dtype); returns the node id."""
@@ -120,7 +121,14 @@ class OffloadActor:
         """Set masters and states from ``parts``, ``(unit, lo, hi, master, states)`` over this
         actor's chunks only (``unit.local`` offsets, wire arrays), with ``kinds[unit]`` the state
         kinds (and dtypes) the rank has for each unit; returns every chunk's parameters in the
-        model dtype.
+        model dtype."""
+        tensors = [(unit, lo, hi, from_wire(master, torch.float32),
+                    {kind: from_wire(values, dtype_of(dtype)) for kind, (values, dtype) in states.items()})
+                   for unit, lo, hi, master, states in parts]
+        return self._load(tensors, kinds, scalars)
+
+    def _load(self, parts: list[tuple], kinds: list[dict[str, str]], scalars) -> list[np.ndarray]:
+        """``load`` with tensors in ``parts``.
 
         ``MasterShards.load`` takes one range per unit: each unit's parts go into tensors over
         the span they cover, of which only this actor's chunks are written or read (the rest of
@@ -133,11 +141,44 @@ class OffloadActor:
                                    {k: torch.empty(hi - lo, dtype=dtype_of(d)) for k, d in unit_kinds.items()}))
         for unit, lo, hi, master, states in parts:
             span = spans[unit]
-            span.master[lo - span.start:hi - span.start].copy_(from_wire(master, torch.float32))
-            for kind, (values, dtype) in states.items():
-                span.states[kind][lo - span.start:hi - span.start].copy_(from_wire(values, dtype_of(dtype)))
+            span.master[lo - span.start:hi - span.start].copy_(master)
+            for kind, values in states.items():
+                span.states[kind][lo - span.start:hi - span.start].copy_(values)
         self.shards.load(spans, scalars)
         return [to_wire(p.detach().to(self.model_dtype)) for p in self.shards.params]
+
+    # --- checkpoint loads read here (ActorTier.remote_load) ----------------------------------------------
+    def stage(self, storage, tag: str, manifest: dict, plan: list[tuple], kinds: list[str]) -> tuple[str, str] | None:
+        """Read this actor's ranges of checkpoint ``tag`` itself, each file verified against the
+        manifest as the rank's reader would, and keep them until ``load_staged``. ``plan`` lists
+        ``(unit, lo, hi, pieces)``: the range ``[lo, hi)`` of a chunk (``unit.local`` offsets) and
+        its parameters' pieces ``(name, start, end, offset in the range)``; ``kinds`` are the state
+        kinds to read (``fp32`` first). Returns None, or ``(error class, message)`` for a damaged
+        or unfit checkpoint, which the rank raises (nothing is staged then)."""
+        from raydeep.checkpoint.reader import CheckpointReader
+        from raydeep.errors import CheckpointError
+
+        self._staged = None
+        reader = CheckpointReader(storage, tag, manifest)
+        parts = []
+        try:
+            for unit, lo, hi, pieces in plan:
+                out = {kind: torch.empty(hi - lo, dtype=reader.state_dtype(kind)) for kind in kinds}
+                for name, start, end, offset in pieces:
+                    for kind, values in out.items():
+                        values[offset:offset + end - start].copy_(reader.read_range(kind, name, start, end))
+                master = out.pop(kinds[0])
+                parts.append((unit, lo, hi, master, out))
+        except CheckpointError as err:
+            return type(err).__name__, str(err)
+        self._staged = parts
+        return None
+
+    def load_staged(self, kinds: list[dict[str, str]], scalars) -> list[np.ndarray]:
+        """``load`` from what ``stage`` read."""
+        parts, self._staged = self._staged, None
+        assert parts is not None, "offload actor: nothing staged to load"
+        return self._load(parts, kinds, scalars)
 
     def reload(self, chunks: list[int], values: list[np.ndarray]) -> None:
         """Chunks whose parameters were overwritten on the rank: take their masters from them."""

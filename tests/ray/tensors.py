@@ -33,11 +33,13 @@ def storage_bytes(root, dtype: torch.dtype = torch.float32) -> int:
     return sum(storages.values())
 
 
-def actor_storage_bytes(actor, dtype: torch.dtype = torch.float32) -> int:
-    """:func:`storage_bytes` of a Ray actor's instance, walked inside the actor's process."""
+def actor_storage_bytes(actor, dtype: torch.dtype = torch.float32, attribute: str | None = None) -> int:
+    """:func:`storage_bytes` of a Ray actor's instance (or of one of its attributes), walked
+    inside the actor's process."""
     import ray
 
-    return ray.get(actor.__ray_call__.remote(lambda instance: storage_bytes(instance, dtype)))
+    return ray.get(actor.__ray_call__.remote(
+        lambda instance: storage_bytes(getattr(instance, attribute) if attribute else instance, dtype)))
 
 
 def array_bytes(obj) -> int:

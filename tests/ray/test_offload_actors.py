@@ -321,7 +321,8 @@ class KillAnOffloadActor:
             found = _alive_offload_actors()
             if found:
                 actors = [ray.get_actor(a.name, namespace=a.ray_namespace) for a in found]
-                self.held = [actor_storage_bytes(a) for a in actors]
+                # Its training state only: a checkpoint's copy may be held too while it is written.
+                self.held = [actor_storage_bytes(a, attribute="shards") for a in actors]
                 self.killed, self.step = found[0].name, latest["step"]
                 ray.kill(actors[0], no_restart=True)
 

@@ -72,13 +72,42 @@ def _attempt(address: str, attempt: str, directory: str, load: str | None) -> di
             engine.save_checkpoint(snapshots, tag=f"global_step{BEFORE}")
             engine.save_checkpoint(directory, tag=f"global_step{BEFORE}")
         else:
-            engine.load_checkpoint(snapshots if load == "snapshot" else directory)
+            out["received"] = _load_counting(engine, snapshots if load == "snapshot" else directory)
         out.update(continue_training(engine, AFTER))
         if load is not None:
             engine.destroy()
         return out  # the first attempt's actors are left as a killed rank leaves them
     finally:
         ray.shutdown()
+
+
+def _payload(obj) -> int:
+    """Bytes of the arrays, tensors and ``bytes`` (a file's content) in ``obj``."""
+    from tests.ray.tensors import array_bytes
+
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, (list, tuple)):
+        return sum(_payload(v) for v in obj)
+    return array_bytes(obj)
+
+
+def _load_counting(engine, where) -> int:
+    """Load, counting the bytes ``ray.get`` hands this process meanwhile (arrays, tensors and
+    files; not raydeep's own accounting)."""
+    original, received = ray.get, []
+
+    def counting(refs, *args, **kw):
+        out = original(refs, *args, **kw)
+        received.append(_payload(out))
+        return out
+
+    ray.get = counting
+    try:
+        engine.load_checkpoint(where)
+    finally:
+        ray.get = original
+    return sum(received)
 
 
 def _holders() -> list:
@@ -118,6 +147,13 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
 
         again = run_ranks(_attempt, 2, shared_ray.address, "second", str(tmp_path), "snapshot", fresh=True)
         assert again[0]["tier"] == "ActorTier" and _same(again[0], first[0])
+        # The new actors read the snapshot from the old ones: what reached each rank is its
+        # parameters in bf16 (2 bytes per element) and its own small file, not the 12 bytes of the
+        # masters and states.
+        for rank, shard_of in zip(again, first):
+            print(f"load at the same world size: {rank['received']:,} array bytes reached a rank of "
+                  f"{shard_of['shard']:,} elements")
+            assert rank["received"] <= 2 * shard_of["shard"] + 0.05 * in_actors
         # The first attempt's actors keep only their files; the second's were closed by their rank.
         assert {a.actor_id for a in _holders()} == first_actors
 
@@ -125,6 +161,7 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
         one = [run_ranks(_attempt, 1, shared_ray.address, attempt, str(tmp_path), load, fresh=True)[0]
                for attempt, load in loads]
         assert one[0]["tier"] == "LocalTier" and one[2]["tier"] == "ActorTier"
+        assert one[2]["received"] <= 2 * shard + 0.05 * in_actors  # resharded 2 -> 1 by the actors
         assert _same(one[1], one[0]) and _same(one[2], one[0])
 
         # A lost holder: its files cannot be read, and the error says which and why.
