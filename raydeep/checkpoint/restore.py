@@ -52,7 +52,8 @@ def read_shards(parts: CheckpointParts, reader: CheckpointReader, with_optimizer
     if parts.tier.remote_load is not None and not reader.storage.is_local:
         # The offload actors read their own ranges where every node reaches them (an object
         # store, the memory snapshots): the masters and states never pass through this rank.
-        parts.tier.remote_load(reader, with_optimizer)
+        kinds = [fmt.MASTER, *(reader.manifest["optimizer"]["state_keys"] if with_optimizer else [])]
+        parts.tier.remote_load(CheckpointReader(reader.storage, reader.tag, reader.manifest), kinds, pieces_in)
         units = [_ranges_only(unit, reader, with_optimizer) for unit in parts.units]
     else:
         units = [_read_unit(unit, reader, with_optimizer) for unit in parts.units]

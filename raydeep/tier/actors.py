@@ -39,7 +39,11 @@ format, its storage, its staging location), returning only the file's digest and
 masters and optimizer states never pass through the rank. An actor that does not see the mark
 of the rank's staging location (a node-local directory on another node) hands its copy to the
 rank instead, which writes the same file. The commit stays the checkpoint's: the rank reports its
-digests only after its actors' files are written, and the manifest comes last.
+digests only after its actors' files are written, and the manifest comes last. Loads
+(``remote_load``, used by ``raydeep.checkpoint.restore`` where every node reaches the storage: an
+object store, the memory snapshots) are the same the other way: each actor reads and verifies its
+own chunks' ranges and stages them; the rank's ``load_state_dict`` then has them load what they
+staged, and receives only the parameters in the model dtype.
 
 Fault model: Ray Train restarts the whole worker group. The actors have ``max_restarts=0``: a
 dead actor or a lost object fails the attempt (``OffloadActorLost``, retried), whose next attempt
@@ -421,33 +425,30 @@ class ActorTier(OptimizerTier):
             for c, arr in zip(self._chunks(a), arrays):
                 self.units[c.unit].local[c.lo:c.hi].copy_(from_wire(arr, self.units[c.unit].dtype))
 
-    def remote_load(self, reader, with_optimizer: bool) -> None:
+    def remote_load(self, source, kinds: list[str], pieces_in: Callable) -> None:
         """Phase 1 of a checkpoint load (``raydeep.checkpoint.restore``) done by the actors: each
-        reads its own chunks' ranges of the checkpoint from its storage (``reader.storage``, which
-        every actor must reach: an object store, or the run's memory snapshots, whose files other
-        offload actors may hold), verifies them and stages them, so nothing of the masters and
-        states passes through the rank. The next ``load_state_dict`` loads what was staged and
-        does not read its ranges' tensors. Raises the checkpoint error an actor found (nothing is
-        loaded then)."""
-        from raydeep.checkpoint.format import MASTER
+        reads its own chunks' ranges of state ``kinds`` (the fp32 master first) through
+        ``source`` (a ``CheckpointReader`` over a storage every actor reaches: an object store,
+        or the run's memory snapshots, whose files other offload actors may hold), verified, and
+        stages them, so nothing of the masters and states passes through the rank. The next
+        ``load_state_dict`` loads what was staged and does not read its ranges' tensors.
+        ``pieces_in(unit, start, end)`` gives the parameters' pieces of a unit's flat range.
+        Raises the checkpoint error an actor found (nothing is loaded then)."""
         from raydeep.errors import CheckpointError, CorruptCheckpointError
 
         assert self._pending is None, "an update is in flight"
-        states = list(reader.manifest["optimizer"]["state_keys"]) if with_optimizer else []
-        calls = [self._call(actor.stage, reader.storage, reader.tag, reader.manifest, self._load_plan(a),
-                            [MASTER, *states]) for a, actor in enumerate(self.actors)]
+        calls = [self._call(actor.stage, source, self._load_plan(a, pieces_in), kinds)
+                 for a, actor in enumerate(self.actors)]
         failures = [found for found in self._get(calls) if found is not None]
         if failures:
             kind, message = failures[0]
             raise (CorruptCheckpointError if kind == CorruptCheckpointError.__name__ else CheckpointError)(message)
-        self._staged = {kind: str(reader.state_dtype(kind)).removeprefix("torch.") for kind in states}
+        self._staged = {kind: str(source.state_dtype(kind)).removeprefix("torch.") for kind in kinds[1:]}
 
-    def _load_plan(self, a: int) -> list[tuple]:
+    def _load_plan(self, a: int, pieces_in: Callable) -> list[tuple]:
         """Actor ``a``'s part of a load, as ``OffloadActor.stage`` takes it: per chunk, the range a
         checkpoint holds of it (the unit's held range: padding excluded) and its parameters'
         pieces there."""
-        from raydeep.checkpoint.snapshot import pieces_in
-
         plan = []
         for c in self._chunks(a):
             unit = self.units[c.unit]

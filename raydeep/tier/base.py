@@ -184,9 +184,10 @@ class OptimizerTier(ABC):
     #: the processes that hold the state and written by them as this rank's part files, so a save
     #: moves no optimizer bytes through the rank. None: ``state_dict`` is used.
     remote_snapshot = None
-    #: ``remote_load(reader, with_optimizer)``: the read phase of a load done by those processes,
-    #: each reading its own ranges from the checkpoint's storage; the next ``load_state_dict``
-    #: loads what they read. None: the rank reads the ranges and ``load_state_dict`` sends them.
+    #: ``remote_load(source, kinds, pieces_in)``: the read phase of a load done by those
+    #: processes, each reading its own ranges through ``source`` (a ``CheckpointReader``); the next
+    #: ``load_state_dict`` loads what they read. None: the rank reads the ranges and
+    #: ``load_state_dict`` sends them.
     remote_load = None
 
     # --- compressed communication (``raydeep.compression``); other tiers keep these defaults -------

@@ -148,25 +148,24 @@ class OffloadActor:
         return [to_wire(p.detach().to(self.model_dtype)) for p in self.shards.params]
 
     # --- checkpoint loads read here (ActorTier.remote_load) ----------------------------------------------
-    def stage(self, storage, tag: str, manifest: dict, plan: list[tuple], kinds: list[str]) -> tuple[str, str] | None:
-        """Read this actor's ranges of checkpoint ``tag`` itself, each file verified against the
-        manifest as the rank's reader would, and keep them until ``load_staged``. ``plan`` lists
-        ``(unit, lo, hi, pieces)``: the range ``[lo, hi)`` of a chunk (``unit.local`` offsets) and
-        its parameters' pieces ``(name, start, end, offset in the range)``; ``kinds`` are the state
-        kinds to read (``fp32`` first). Returns None, or ``(error class, message)`` for a damaged
-        or unfit checkpoint, which the rank raises (nothing is staged then)."""
-        from raydeep.checkpoint.reader import CheckpointReader
+    def stage(self, source, plan: list[tuple], kinds: list[str]) -> tuple[str, str] | None:
+        """Read this actor's ranges of a checkpoint itself and keep them until ``load_staged``.
+        ``source`` reads them (a ``CheckpointReader``: each file verified against the manifest);
+        ``plan`` lists ``(unit, lo, hi, pieces)``: the range ``[lo, hi)`` of a chunk
+        (``unit.local`` offsets) and its parameters' pieces ``(name, start, end, offset in the
+        range)``; ``kinds`` are the state kinds to read, the fp32 master first. Returns None, or
+        ``(error class, message)`` for a damaged or unfit checkpoint, which the rank raises
+        (nothing is staged then)."""
         from raydeep.errors import CheckpointError
 
         self._staged = None
-        reader = CheckpointReader(storage, tag, manifest)
         parts = []
         try:
             for unit, lo, hi, pieces in plan:
-                out = {kind: torch.empty(hi - lo, dtype=reader.state_dtype(kind)) for kind in kinds}
+                out = {kind: torch.empty(hi - lo, dtype=source.state_dtype(kind)) for kind in kinds}
                 for name, start, end, offset in pieces:
                     for kind, values in out.items():
-                        values[offset:offset + end - start].copy_(reader.read_range(kind, name, start, end))
+                        values[offset:offset + end - start].copy_(source.read_range(kind, name, start, end))
                 master = out.pop(kinds[0])
                 parts.append((unit, lo, hi, master, out))
         except CheckpointError as err:

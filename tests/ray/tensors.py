@@ -56,3 +56,23 @@ def array_bytes(obj) -> int:
     if hasattr(obj, "__dataclass_fields__"):
         return sum(array_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
     return 0
+
+
+def received_while(fn, measure=array_bytes) -> int:
+    """Run ``fn()`` in this process, counting what ``ray.get`` hands it meanwhile: the sum of
+    ``measure`` over the replies (not raydeep's own accounting)."""
+    import ray
+
+    original, received = ray.get, []
+
+    def counting(refs, *args, **kw):
+        out = original(refs, *args, **kw)
+        received.append(measure(out))
+        return out
+
+    ray.get = counting
+    try:
+        fn()
+    finally:
+        ray.get = original
+    return sum(received)

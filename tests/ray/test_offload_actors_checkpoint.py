@@ -27,7 +27,7 @@ import ray
 import torch
 
 from tests.dist.harness import run_ranks
-from tests.ray.tensors import array_bytes
+from tests.ray.tensors import received_while
 
 pytestmark = pytest.mark.slow
 BEFORE, AFTER = 2, 2
@@ -58,20 +58,10 @@ def _engine(actors: bool):
 
 def _save_counting(engine, path: str, **kwargs) -> int:
     """Save, counting the array bytes ``ray.get`` hands this process meanwhile."""
-    original, received = ray.get, []
-
-    def counting(refs, *args, **kw):
-        out = original(refs, *args, **kw)
-        received.append(array_bytes(out))
-        return out
-
-    ray.get = counting
-    try:
+    def save():
         engine.save_checkpoint(path, **kwargs)
         engine.checkpointer.wait()
-    finally:
-        ray.get = original
-    return sum(received)
+    return received_while(save)
 
 
 def _save_and_continue(address: str, directory: str) -> dict:

@@ -17,13 +17,14 @@ killed ranks would. Then:
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import ray
 import torch
 
 from tests.dist.harness import run_ranks
+from tests.ray.tensors import array_bytes, received_while
+from tests.ray.test_offload_actors import _eventually
 
 pytestmark = pytest.mark.slow
 BEFORE, AFTER = 2, 2
@@ -83,8 +84,6 @@ def _attempt(address: str, attempt: str, directory: str, load: str | None) -> di
 
 def _payload(obj) -> int:
     """Bytes of the arrays, tensors and ``bytes`` (a file's content) in ``obj``."""
-    from tests.ray.tensors import array_bytes
-
     if isinstance(obj, (bytes, bytearray)):
         return len(obj)
     if isinstance(obj, (list, tuple)):
@@ -94,20 +93,8 @@ def _payload(obj) -> int:
 
 def _load_counting(engine, where) -> int:
     """Load, counting the bytes ``ray.get`` hands this process meanwhile (arrays, tensors and
-    files; not raydeep's own accounting)."""
-    original, received = ray.get, []
-
-    def counting(refs, *args, **kw):
-        out = original(refs, *args, **kw)
-        received.append(_payload(out))
-        return out
-
-    ray.get = counting
-    try:
-        engine.load_checkpoint(where)
-    finally:
-        ray.get = original
-    return sum(received)
+    files)."""
+    return received_while(lambda: engine.load_checkpoint(where), _payload)
 
 
 def _holders() -> list:
@@ -115,15 +102,6 @@ def _holders() -> list:
 
     return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
             if a.class_name == "HoldingOffloadActor"]
-
-
-def _eventually(check, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def _same(a: dict, b: dict) -> bool:
