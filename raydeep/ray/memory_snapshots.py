@@ -120,9 +120,17 @@ class SnapshotStore:
         node, or None where it cannot be read)."""
         sizes: dict[str, int] = {}
         for path, data in self.files.items():
-            tag = "/".join(path.split("/")[:3])  # /snapshots/<tag>
-            sizes[tag] = sizes.get(tag, 0) + len(data)
+            sizes[_tag_of(path)] = sizes.get(_tag_of(path), 0) + len(data)
         return max(sizes.values(), default=0), available_memory()
+
+    def holders(self) -> list[tuple]:
+        """``(holder, bytes of the largest snapshot it holds part of)`` for each offload actor
+        holding files."""
+        sizes: dict = {}
+        for path, (holder, _, size) in self.held.items():
+            by_tag = sizes.setdefault(holder, {})
+            by_tag[_tag_of(path)] = by_tag.get(_tag_of(path), 0) + size
+        return [(holder, max(by_tag.values())) for holder, by_tag in sizes.items()]
 
     # --- the offload actors' owner (raydeep.ray.snapshot_holders) ---------------------------------------
     def create_offload_actors(self, attempt: str, options: list[dict], args: list[tuple]) -> list:
@@ -199,6 +207,31 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def _tag_of(path: str) -> str:
+    return "/".join(path.split("/")[:3])  # /snapshots/<tag>
+
+
+def no_room(store: tuple[int, int | None], holders: list[tuple[str, int, int | None]]) -> str | None:
+    """Why ``KEEP`` snapshots of the sizes held do not fit (None: they do). ``store`` is the
+    store's ``room()``; ``holders`` lists ``(node id, largest, available)`` for each offload actor
+    holding snapshot files, whose parts on one node add up there."""
+    problems = []
+    largest, available = store
+    if too_big_to_keep(largest, available):
+        problems.append(f"{KEEP} snapshots of {largest / 2**30:.2f} GiB would take more than half of the "
+                        f"{(available + largest) / 2**30:.2f} GiB the driver's node has for them")
+    by_node: dict[str, list] = {}
+    for node, size, free in holders:
+        found = by_node.setdefault(node, [0, free])
+        found[0] += size
+    for node, (size, free) in by_node.items():
+        if too_big_to_keep(size, free):
+            problems.append(f"{KEEP} copies of the offload actors' parts of a snapshot ({size / 2**30:.2f} GiB) "
+                            f"would take more than half of the {(free + size) / 2**30:.2f} GiB offload node "
+                            f"{node[:12]} has for them")
+    return "; ".join(problems) or None
+
+
 def too_big_to_keep(largest: int, available: int | None) -> bool:
     """Whether ``KEEP`` snapshots of ``largest`` bytes would take more than half of what the
     store's node has for them (what it holds now, which it can reuse, and what is still free)."""
@@ -232,12 +265,11 @@ class _Upload(io.RawIOBase):
         if not self.closed:
             from raydeep.ray import snapshot_holders
 
-            data = b"".join(self.chunks)
-            self.chunks = []
+            chunks, self.chunks = self.chunks, []
             if snapshot_holders.holding_here():  # an offload actor keeps its own part files
-                ray.get(self.store.put_held.remote(self.path, *snapshot_holders.hold(data)))
+                ray.get(self.store.put_held.remote(self.path, *snapshot_holders.hold(chunks)))
             else:
-                ray.get(self.store.put.remote(self.path, data))
+                ray.get(self.store.put.remote(self.path, b"".join(chunks)))
         super().close()
 
 

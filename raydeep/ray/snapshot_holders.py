@@ -28,7 +28,7 @@ import ray
 
 from raydeep.tier.offload_actor import OffloadActor
 
-_held: dict[str, bytes] = {}  # this process's part files, by key (in an offload actor only)
+_held: dict[str, list[bytes]] = {}  # this process's part files, by key (in an offload actor only)
 _holder = None  # this process's own actor handle, once it is a HoldingOffloadActor
 
 
@@ -38,11 +38,12 @@ def holding_here() -> bool:
     return _holder is not None
 
 
-def hold(data: bytes) -> tuple:
-    """Keep ``data`` here; returns ``(holder, key, size)`` for the store's record."""
+def hold(chunks: list[bytes]) -> tuple:
+    """Keep a file's ``chunks`` here (not joined: one copy of the file is enough); returns
+    ``(holder, key, size)`` for the store's record."""
     key = f"{ray.get_runtime_context().get_actor_name()}/{uuid.uuid4().hex}"  # its name, for messages
-    _held[key] = data
-    return _holder, key, len(data)
+    _held[key] = chunks
+    return _holder, key, sum(len(c) for c in chunks)
 
 
 def read_held(path: str, holder, key: str) -> bytes:
@@ -50,7 +51,7 @@ def read_held(path: str, holder, key: str) -> bytes:
     from raydeep.tier.actors import lost_errors
 
     if holder == _holder:  # this very actor: asking itself would wait on its own running call
-        return _held[key]
+        return b"".join(_held[key])
     try:
         return ray.get(holder.read_held.remote(key))
     except lost_errors() as err:
@@ -69,10 +70,16 @@ class HoldingOffloadActor(OffloadActor):
     def read_held(self, key: str) -> bytes:
         if key not in _held:
             raise FileNotFoundError(f"offload actor: no snapshot file {key} held here")
-        return _held[key]
+        return b"".join(_held[key])
 
     def drop_held(self, key: str) -> None:
         _held.pop(key, None)
+
+    def node_room(self) -> tuple[str, int | None]:
+        """This actor's node, and the bytes of memory still available there (None: unknown)."""
+        from raydeep.ray.memory_snapshots import available_memory
+
+        return ray.get_runtime_context().get_node_id(), available_memory()
 
     def retire(self) -> None:
         """Its rank is gone: drop the training state, keep the snapshot files."""

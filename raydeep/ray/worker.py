@@ -225,19 +225,19 @@ class RaySession:
             self.snapshots = None
 
     def snapshot_room(self) -> str | None:
-        """Rank 0: why the store's node cannot keep ``KEEP`` snapshots of the largest size held."""
+        """Rank 0: why the store's node, or an offload node holding parts of the snapshots,
+        cannot keep ``KEEP`` snapshots of the largest size held."""
         if self.snapshots is None or self.rank != 0:
             return None
-        from raydeep.ray.memory_snapshots import KEEP, too_big_to_keep
+        from raydeep.ray.memory_snapshots import no_room
 
         try:
-            largest, available = ray.get(self.store.room.remote())
+            store = ray.get(self.store.room.remote())
+            holders = ray.get(self.store.holders.remote())
+            rooms = ray.get([holder.node_room.remote() for holder, _ in holders])
         except ray.exceptions.RayError:
-            return None  # a lost store is reported where it is written to or read
-        if not too_big_to_keep(largest, available):
-            return None
-        return (f"{KEEP} snapshots of {largest / 2**30:.2f} GiB would take more than half of the "
-                f"{(available + largest) / 2**30:.2f} GiB the driver's node has for them")
+            return None  # a lost store or actor is reported where it is written to or read
+        return no_room(store, [(node, size, free) for (_, size), (node, free) in zip(holders, rooms)])
 
     def drop_snapshots(self) -> None:
         if self.snapshots is not None and self.rank == 0:

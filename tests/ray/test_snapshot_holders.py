@@ -122,6 +122,11 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
         assert here < 0.05 * in_actors  # the ranks' own files: no masters, no states
         first_actors = {a.actor_id for a in _holders()}
         assert len(first_actors) == 4  # 2 ranks x 2 actors, alive after their ranks left
+        # What "auto" weighs against each offload node's memory: the parts held there.
+        holders = ray.get(store.holders.remote())
+        assert len(holders) == 4 and sum(size for _, size in holders) == in_actors
+        nodes = {node for node, _ in ray.get([holder.node_room.remote() for holder, _ in holders])}
+        assert nodes == {shared_ray.offload.node_id}
 
         again = run_ranks(_attempt, 2, shared_ray.address, "second", str(tmp_path), "snapshot", fresh=True)
         assert again[0]["tier"] == "ActorTier" and _same(again[0], first[0])

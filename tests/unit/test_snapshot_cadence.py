@@ -5,7 +5,7 @@ import pytest
 
 from raydeep.config import load_config
 from raydeep.errors import ConfigError
-from raydeep.ray.memory_snapshots import KEEP, available_memory, too_big_to_keep
+from raydeep.ray.memory_snapshots import KEEP, available_memory, no_room, too_big_to_keep
 from raydeep.ray.snapshot_cadence import BUDGET, SnapshotCadence
 
 
@@ -67,6 +67,18 @@ def test_the_store_refuses_what_would_take_over_half_its_nodes_memory():
     assert KEEP == 2
     available = available_memory()
     assert available is None or available > 0
+
+
+def test_offload_actors_parts_count_against_their_own_node_summed_over_the_actors_there():
+    gib = 2**30
+    store = (1 * gib // 100, 9 * gib)  # the ranks' own small files on the driver's node: fine
+    assert no_room(store, []) is None
+    # Two actors on node "a" hold 2 GiB each of the newest snapshot: 4 GiB, 8 of 10 GiB for KEEP=2.
+    crowded = [("a" * 16, 2 * gib, 6 * gib), ("a" * 16, 2 * gib, 6 * gib), ("b" * 16, 2 * gib, 20 * gib)]
+    why = no_room(store, crowded)
+    assert why is not None and "offload node aaaaaaaaaaaa" in why and "4.00 GiB" in why and "bbbb" not in why
+    assert no_room(store, crowded[1:]) is None  # one actor's 2 GiB on node a: 4 of 8 GiB
+    assert "driver's node" in no_room((3 * gib, 8 * gib), crowded[1:])
 
 
 def test_the_setting_is_auto_by_default_and_refuses_anything_but_auto_or_steps():
