@@ -1,6 +1,6 @@
 """What a lost worker costs: steps lost, seconds to the next step, the snapshots' price, goodput.
 
-    python -m benchmarks.recovery_time [--kills 3] [--workers 2] [--snapshots 1] [--pairs 3]
+    python -m benchmarks.recovery_time [--kills 3] [--workers 2] [--snapshots 1] [--pairs 3] [--offload]
 
 Trains the tiny GPT at ZeRO-3 on a local Ray cluster (one CPU per worker), in three parts:
 
@@ -15,6 +15,11 @@ Trains the tiny GPT at ZeRO-3 on a local Ray cluster (one CPU per worker), in th
    snapshots', and the share of it spent in snapshots as the step metrics measured it.
 3. **Goodput.** 100 steps with a kill every 20 steps against the same run without kills: useful
    steps per second of each (the run's wall time, start-up and recoveries included), and the ratio.
+
+``--offload``: the optimizer states in offload actors (``raydeep.offload_target`` "actors", half a
+CPU each) on the local cluster, which then also carries the ``raydeep_offload`` resource: the
+actors hold their parts of each snapshot and outlive the killed rank, and the next attempt's
+actors read them from there (``raydeep.ray.snapshot_holders``).
 """
 from __future__ import annotations
 
@@ -52,14 +57,31 @@ class Killer:
             os.kill(current["workers"][1]["pid"], signal.SIGKILL)
 
 
+OFFLOAD = ['zero_optimization.offload_optimizer.device="cpu"', 'raydeep.offload_target="actors"',
+           "raydeep.offload_actor_cpus=0.5"]
+
+
 def spec_for(storage: str, name: str, steps: int, workers: int, snapshots: str, checkpoint_every: int,
-             max_failures: int = 0):
+             max_failures: int = 0, offload: bool = False):
     from raydeep.ray import TrainSpec
 
     every = '"auto"' if snapshots == "auto" else str(int(snapshots))  # overrides take JSON values
     return TrainSpec(num_workers=workers, steps=steps, checkpoint_every=checkpoint_every, storage_path=storage,
                      name=name, max_failures=max_failures, overrides=[f"raydeep.memory_snapshot_every={every}",
-                                "raydeep.metrics=true"])
+                                "raydeep.metrics=true", *(OFFLOAD if offload else [])])
+
+
+def start_offload_cluster(workers: int) -> None:
+    """The local cluster ``fit`` would start, with the offload resource and half a CPU more per
+    offload actor (one per worker)."""
+    import ray
+
+    from raydeep.ray.trainer import LOCAL_CLUSTER_TUNING
+
+    for key, value in LOCAL_CLUSTER_TUNING.items():
+        os.environ.setdefault(key, value)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers) + (workers + 1) // 2,
+             resources={"raydeep_offload": 1}, log_to_driver=False)
 
 
 def kills(args) -> None:
@@ -68,12 +90,14 @@ def kills(args) -> None:
     killer = Killer(args.kills, lambda step, attempt: step >= attempt["resumed_from_step"] + 5)
     steps = (args.kills + 1) * CHECKPOINT_EVERY + 4
     with tempfile.TemporaryDirectory() as storage:
-        spec = spec_for(storage, "kills", steps, args.workers, args.snapshots, CHECKPOINT_EVERY, args.kills)
+        spec = spec_for(storage, "kills", steps, args.workers, args.snapshots, CHECKPOINT_EVERY, args.kills,
+                        args.offload)
         summary = fit(spec, on_progress=killer, log_to_driver=False)
-        firsts, median = _first_steps(spec.run_uri)
-    print(f"1. kills: {os.cpu_count()} cores, {args.workers} workers x 1 CPU, tiny GPT ZeRO-3, checkpoints every "
-          f"{CHECKPOINT_EVERY} steps, memory snapshots every {args.snapshots}; {len(killer.killed)} SIGKILLs of rank 1 "
-          f"(seconds after each kill):")
+        first_rows, median = _first_steps(spec.run_uri)
+    tier = ", optimizer states in offload actors" if args.offload else ""
+    print(f"1. kills: {os.cpu_count()} cores, {args.workers} workers x 1 CPU, tiny GPT ZeRO-3{tier}, checkpoints "
+          f"every {CHECKPOINT_EVERY} steps, memory snapshots every {args.snapshots}; {len(killer.killed)} SIGKILLs of "
+          f"rank 1 (seconds after each kill):")
     print("   killed after  resumed at  lost  from              processes  train fn  engine  restored  first step")
     firsts, lost = [], []
     for (kill, _), attempt, recovery in zip(killer.killed, killer.attempts[1:], summary["recoveries"]):
@@ -91,7 +115,7 @@ def kills(args) -> None:
               f"(min {min(firsts):.1f}, max {max(firsts):.1f})")
     print("   the first step of each restarted attempt, from its metrics row (seconds), and the run's median step:")
     print("   attempt  step  " + "  ".join(f"{name:>9s}" for name in STEP_COLUMNS.values()))
-    for label, step, row in [(str(r["attempt"]), str(r["step"]), r) for r in firsts] + [("median", "", median)]:
+    for label, step, row in [(str(r["attempt"]), str(r["step"]), r) for r in first_rows] + [("median", "", median)]:
         print(f"   {label:>7s}  {step:>4s}  " + "  ".join(f"{row[c] or 0:9.3f}" for c in STEP_COLUMNS))
 
 
@@ -173,8 +197,13 @@ def main(argv=None) -> int:
                         '(steps, or "auto")')
     parser.add_argument("--pairs", type=int, default=3, help="runs of each snapshot setting in the overhead part")
     parser.add_argument("--parts", default="kills,overhead,goodput")
+    parser.add_argument("--offload", action="store_true", help="the optimizer states in offload actors (kills only)")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
+    if args.offload:
+        if parts != ["kills"]:
+            parser.error("--offload measures the kills part only: pass --parts kills")
+        start_offload_cluster(args.workers)
     for name, part in (("kills", kills), ("overhead", overhead), ("goodput", goodput)):
         if name in parts:
             part(args)

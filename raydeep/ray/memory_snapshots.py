@@ -48,29 +48,36 @@ class SnapshotStore:
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
-        self.held: dict[str, tuple] = {}  # path -> (holder actor, its key, size)
+        self.held: dict[str, tuple] = {}  # path -> (holder actor, its name, size, the file's object)
         self.dirs: set[str] = {"/"}
-        self.actors: dict[str, list] = {}  # attempt -> the offload actors it created
-        self.orphans: set = set()  # earlier attempts' actors that still hold files (handles hash by actor id)
+        # The offload actors: the current attempt's by rank, and the previous attempt's not yet adopted.
+        self.attempt: str | None = None
+        self.ranks: dict[int, list] = {}
+        self.spare: dict[int, list] = {}
+        self.created = 0  # ranks of the current attempt that have their actors
+        self.orphans: set = set()  # retired actors that still hold files (handles hash by actor id)
 
     def put(self, path: str, data: bytes) -> None:
         self._forget(path)
         self._make_dir(posixpath.dirname(path))
         self.files[path] = data
 
-    def put_held(self, path: str, holder, key: str, size: int) -> None:
-        """Record that ``holder`` keeps file ``path`` (``size`` bytes) under ``key``."""
+    def put_held(self, path: str, holder, name: str, size: int, content: list) -> None:
+        """Record that offload actor ``holder`` (``name``) keeps file ``path`` (``size`` bytes) as
+        the object ``content[0]`` (a list, so that Ray passes the reference, not the bytes), which
+        it owns: the object lives while this entry does and its holder is alive."""
         self._forget(path)
         self._make_dir(posixpath.dirname(path))
-        self.held[path] = (holder, key, size)
+        self.held[path] = (holder, name, size, content[0])
 
     def get(self, path: str):
-        """A file's bytes, or ``(holder, key)`` for a file an offload actor holds (the reader asks
-        the holder: the bytes do not pass through here)."""
+        """A file's bytes, or ``(holder's name, [its object])`` for a file an offload actor holds
+        (the reader takes the object from the holder's node: the bytes do not pass through here)."""
         if path in self.files:
             return self.files[path]
         if path in self.held:
-            return self.held[path][:2]
+            _, name, _, content = self.held[path]
+            return name, [content]
         raise FileNotFoundError(path)
 
     def info(self, paths: list[str]) -> list[tuple[str, int]]:
@@ -113,7 +120,7 @@ class SnapshotStore:
         return sum(len(d) for d in self.files.values())
 
     def bytes_held_by_actors(self) -> int:
-        return sum(size for _, _, size in self.held.values())
+        return sum(entry[2] for entry in self.held.values())
 
     def room(self) -> tuple[int, int | None]:
         """(bytes of the largest snapshot held here, bytes of memory still available on this
@@ -127,33 +134,58 @@ class SnapshotStore:
         """``(holder, bytes of the largest snapshot it holds part of)`` for each offload actor
         holding files."""
         sizes: dict = {}
-        for path, (holder, _, size) in self.held.items():
+        for path, (holder, _, size, _) in self.held.items():
             by_tag = sizes.setdefault(holder, {})
             by_tag[_tag_of(path)] = by_tag.get(_tag_of(path), 0) + size
         return [(holder, max(by_tag.values())) for holder, by_tag in sizes.items()]
 
     # --- the offload actors' owner (raydeep.ray.snapshot_holders) ---------------------------------------
-    def create_offload_actors(self, attempt: str, options: list[dict], args: list[tuple]) -> list:
-        """Offload actors for a rank of ``attempt``, owned here (the handles are kept, so they live
-        until the rank kills them or this store dies). The first call of a new attempt retires the
-        earlier attempts' actors: those that hold no snapshot file are killed, the others drop
-        their training state and are killed once their last file is deleted."""
+    def create_offload_actors(self, attempt: str, rank: int, world_size: int, options: list[dict],
+                              args: list[tuple]) -> tuple[list, int]:
+        """Offload actors for rank ``rank`` of ``attempt``, owned here (the handles are kept, so
+        they live until the rank kills them or this store dies): ``(actors, adopted)``, the first
+        ``adopted`` of them the previous attempt's, which the caller resets to ``args``.
+
+        A new attempt's rank adopts its predecessor's actors first (they hold that rank's parts
+        of the snapshots: a restart at the same world size reads them where they are, and needs
+        no new CPUs), then those of ranks the new attempt no longer has, and creates the rest.
+        What no rank adopts is retired: killed at once when it holds no snapshot file, else told
+        to drop its training state and killed once its last file is deleted."""
         from raydeep.ray.snapshot_holders import HoldingOffloadActor
 
-        if attempt not in self.actors:
-            for earlier in self.actors.values():
-                for actor in earlier:
-                    self.orphans.add(actor)
-                    actor.retire.remote()
-            self.actors = {attempt: []}
-            self._kill_idle_orphans()
+        if attempt != self.attempt:  # the previous attempt's actors, by rank, are up for adoption
+            self.attempt, self.spare, self.ranks, self.created = attempt, self.ranks, {}, 0
+        adopted = []
+        for r in [rank] + sorted(r for r in self.spare if r >= world_size):
+            while len(adopted) < len(options) and self.spare.get(r):
+                adopted.append(self.spare[r].pop(0))
+        self._retire(self.spare.pop(rank, []))
         remote = ray.remote(HoldingOffloadActor)
-        made = [remote.options(**o).remote(*a) for o, a in zip(options, args)]
-        self.actors[attempt] += made
-        return made
+        made = adopted + [remote.options(**o).remote(*a) for o, a in zip(options[len(adopted):], args[len(adopted):])]
+        self.ranks[rank] = list(made)
+        self.created += 1
+        if self.created >= world_size:  # every rank has its actors: nobody adopts the rest
+            self._retire([actor for left in self.spare.values() for actor in left])
+            self.spare = {}
+        return made, len(adopted)
+
+    def replace_offload_actor(self, rank: int, lost, option: dict, args: tuple):
+        """A new actor for rank ``rank`` in place of ``lost``, an adopted one that could not be reset."""
+        from raydeep.ray.snapshot_holders import HoldingOffloadActor
+
+        actor = ray.remote(HoldingOffloadActor).options(**option).remote(*args)
+        self.ranks[rank] = [actor if a == lost else a for a in self.ranks.get(rank, [])]
+        self.orphans.discard(lost)
+        return actor
+
+    def _retire(self, actors: list) -> None:
+        for actor in actors:
+            self.orphans.add(actor)
+            actor.retire.remote()
+        self._kill_idle_orphans()
 
     def _kill_idle_orphans(self) -> None:
-        idle = self.orphans - {holder for holder, _, _ in self.held.values()}
+        idle = self.orphans - {entry[0] for entry in self.held.values()}
         for actor in idle:
             ray.kill(actor, no_restart=True)
         self.orphans -= idle
@@ -167,18 +199,15 @@ class SnapshotStore:
         if src in self.files:
             self.put(dst, self.files.pop(src))
         else:
-            entry = self.held.pop(src)
-            self.put_held(dst, *entry)
+            holder, name, size, content = self.held.pop(src)
+            self.put_held(dst, holder, name, size, [content])
 
     def _forget(self, path: str) -> None:
-        """Drop file ``path``; a held one is dropped by its holder too (not waited for)."""
+        """Drop file ``path`` (a held one's object is freed with the last reference to it)."""
         self.files.pop(path, None)
         entry = self.held.pop(path, None)
-        if entry is not None:
-            holder, key, _ = entry
-            holder.drop_held.remote(key)
-            if holder in self.orphans:
-                self._kill_idle_orphans()
+        if entry is not None and entry[0] in self.orphans:
+            self._kill_idle_orphans()
 
     def _make_dir(self, path: str) -> None:
         while path and path not in self.dirs:

@@ -7,14 +7,16 @@ run the store creates them instead (:class:`StoreOwner`, which ``ActorTier`` use
 trains under :func:`raydeep.tier.actors.actors_owned_by`) and keeps their handles:
 
 - a rank that dies leaves its actors alive on their CPU nodes;
-- each actor keeps the part files it writes into a snapshot in its own memory (:func:`hold`); the
-  store records only who holds which path, so the states never reach the driver's node;
-- the next attempt reads those files from the actors that hold them (:func:`read_held`), as it
-  reads any checkpoint's: the same manifest and sha256s, resharded at another world size, into
-  the new attempt's own actors;
-- the earlier attempt's actors drop their training state when the new attempt creates its first
-  actor, and are killed once the store deletes the last snapshot file they hold (newer snapshots
-  replace it), or with the store when the run ends.
+- each actor keeps the part files it writes into a snapshot as objects it owns in its node's
+  object store (:func:`hold`); the store records only who holds which path, so the states never
+  reach the driver's node;
+- the next attempt's ranks adopt their predecessors' actors (reset to the new plan; more are
+  created only where the new world size needs more), and the actors read their ranges of the
+  snapshot from there (:func:`read_held`), as any checkpoint is read: the same manifest and
+  sha256s, resharded at another world size. At the same world size each actor reads the files
+  it wrote, from its own node;
+- actors no rank adopts drop their training state and are killed once the store deletes the last
+  snapshot file they hold (newer snapshots replace it), or with the store when the run ends.
 
 A holder that is lost (its node died) leaves its files unreadable: reading one raises an
 ``OSError`` naming the file and the actor, the snapshot counts as damaged, and the restart falls
@@ -22,13 +24,10 @@ back to an older snapshot or to the storage checkpoint, with a warning saying wh
 """
 from __future__ import annotations
 
-import uuid
-
 import ray
 
 from raydeep.tier.offload_actor import OffloadActor
 
-_held: dict[str, list[bytes]] = {}  # this process's part files, by key (in an offload actor only)
 _holder = None  # this process's own actor handle, once it is a HoldingOffloadActor
 
 
@@ -39,41 +38,32 @@ def holding_here() -> bool:
 
 
 def hold(chunks: list[bytes]) -> tuple:
-    """Keep a file's ``chunks`` here (not joined: one copy of the file is enough); returns
-    ``(holder, key, size)`` for the store's record."""
-    key = f"{ray.get_runtime_context().get_actor_name()}/{uuid.uuid4().hex}"  # its name, for messages
-    _held[key] = chunks
-    return _holder, key, sum(len(c) for c in chunks)
+    """Keep a file's ``chunks`` here, as one object in this node's object store that this actor
+    owns; returns ``(holder, its name, size, [the object])`` for the store's record. Readers take
+    the object without a call to this actor, so an actor busy in a call of its own never keeps
+    another from reading what it holds."""
+    data = b"".join(chunks)
+    return _holder, ray.get_runtime_context().get_actor_name(), len(data), [ray.put(data)]
 
 
-def read_held(path: str, holder, key: str) -> bytes:
-    """File ``path``'s bytes from the actor that holds them."""
+def read_held(path: str, name: str, content: list) -> bytes:
+    """File ``path``'s bytes, from the object its holder (offload actor ``name``) owns."""
     from raydeep.tier.actors import lost_errors
 
-    if holder == _holder:  # this very actor: asking itself would wait on its own running call
-        return b"".join(_held[key])
     try:
-        return ray.get(holder.read_held.remote(key))
+        return ray.get(content[0])
     except lost_errors() as err:
-        raise OSError(f"{path} was held in the memory of offload actor {key.split('/')[0]}, which is lost "
+        raise OSError(f"{path} was held in the memory of offload actor {name}, which is lost "
                       f"({type(err).__name__})") from None
 
 
 class HoldingOffloadActor(OffloadActor):
-    """An offload actor whose snapshot part files stay in its memory (see the module docstring)."""
+    """An offload actor whose snapshot part files stay on its node (see the module docstring)."""
 
     def __init__(self, *args):
         global _holder
         super().__init__(*args)
         _holder = ray.get_runtime_context().current_actor
-
-    def read_held(self, key: str) -> bytes:
-        if key not in _held:
-            raise FileNotFoundError(f"offload actor: no snapshot file {key} held here")
-        return b"".join(_held[key])
-
-    def drop_held(self, key: str) -> None:
-        _held.pop(key, None)
 
     def node_room(self) -> tuple[str, int | None]:
         """This actor's node, and the bytes of memory still available there (None: unknown)."""
@@ -81,17 +71,34 @@ class HoldingOffloadActor(OffloadActor):
 
         return ray.get_runtime_context().get_node_id(), available_memory()
 
+    def reset(self, *args) -> None:
+        """Adopted by a new attempt's rank: start over with its plan (``OffloadActor``'s
+        arguments); the snapshot files held stay."""
+        OffloadActor.__init__(self, *args)
+
     def retire(self) -> None:
         """Its rank is gone: drop the training state, keep the snapshot files."""
         self.shards, self._out, self._saved = None, None, None
 
 
 class StoreOwner:
-    """Creates a rank's offload actors through the run's snapshot store, which owns them.
-    ``attempt`` is the attempt's id, the same on every rank."""
+    """Creates rank ``rank``'s offload actors through the run's snapshot store, which owns them,
+    adopting the previous attempt's where it can. ``attempt`` is the attempt's id, the same on
+    every rank."""
 
-    def __init__(self, store, attempt: str):
-        self.store, self.attempt = store, attempt
+    def __init__(self, store, attempt: str, rank: int, world_size: int):
+        self.store, self.attempt, self.rank, self.world_size = store, attempt, rank, world_size
 
     def create(self, options: list[dict], args: list[tuple]) -> list:
-        return ray.get(self.store.create_offload_actors.remote(self.attempt, options, args))
+        from raydeep.tier.actors import lost_errors
+
+        actors, adopted = ray.get(self.store.create_offload_actors.remote(self.attempt, self.rank, self.world_size,
+                                                                          options, args))
+        # Reset here, before the tier's first call: calls from one process run in order.
+        resets = [actor.reset.remote(*a) for actor, a in zip(actors[:adopted], args)]
+        for i, reset in enumerate(resets):
+            try:
+                ray.get(reset)
+            except lost_errors():  # lost since: a new one in its place
+                actors[i] = ray.get(self.store.replace_offload_actor.remote(self.rank, actors[i], options[i], args[i]))
+        return actors

@@ -188,7 +188,9 @@ class RaySession:
         """Who creates this attempt's offload actors: the snapshot store, when the run keeps one,
         so that they outlive this worker with their part of the snapshots
         (:mod:`raydeep.ray.snapshot_holders`)."""
-        return StoreOwner(self.store, self.token) if self.snapshots is not None else None
+        if self.snapshots is None:
+            return None
+        return StoreOwner(self.store, self.token, self.rank, ray.train.get_context().get_world_size())
 
     def preemption_notice(self) -> dict | None:
         """Ray Train's preemption info (``ray.train.get_preemption_info``, the same on every rank:

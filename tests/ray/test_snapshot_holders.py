@@ -8,11 +8,12 @@ killed ranks would. Then:
 
 - what reached the store's process is the ranks' own small files; the masters and AdamW states
   (12 bytes per element) stayed in the actors, which are still alive;
-- a new attempt of 2 ranks (its own new actors) loads the snapshot from them and trains the same
-  2 steps bit for bit; so does 1 rank, like a load of the same step's storage checkpoint;
-- the first attempt's actors dropped their training state; once the store deletes the snapshot
-  they are killed; a file whose holder is lost cannot be read, and the error names the file and
-  the actor.
+- a new attempt of 2 ranks adopts those actors (no new ones), which load the snapshot from their
+  own memory, and trains the same 2 steps bit for bit; so does 1 rank, adopting 2 of them, like a
+  load of the same step's storage checkpoint; nothing of the masters and states reaches a rank;
+- the actors no rank adopted dropped their training state and are killed once the store deletes
+  the snapshot, the rest with the store; a file whose holder is lost cannot be read, and the error
+  names the file and the actor.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import ray
 import torch
 
 from tests.dist.harness import run_ranks
-from tests.ray.tensors import array_bytes, received_while
+from tests.ray.tensors import actor_storage_bytes, array_bytes, received_while
 from tests.ray.test_offload_actors import _eventually
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,7 @@ def _attempt(address: str, attempt: str, directory: str, load: str | None) -> di
     trains, snapshots into the store and checkpoints to ``directory`` at step ``BEFORE``, trains
     on and leaves without closing anything; a later one loads ``load`` ("snapshot" or
     "checkpoint") and trains on, with or without (``attempt`` ending in "-none") offload."""
+    from raydeep import comm
     from raydeep.ray.memory_snapshots import snapshot_storage
     from raydeep.ray.snapshot_holders import StoreOwner
     from raydeep.tier.actors import actors_owned_by
@@ -64,7 +66,7 @@ def _attempt(address: str, attempt: str, directory: str, load: str | None) -> di
     try:
         store = ray.get_actor(STORE, namespace=NAMESPACE)
         snapshots = snapshot_storage(store, "holders")
-        with actors_owned_by(StoreOwner(store, attempt)):
+        with actors_owned_by(StoreOwner(store, attempt, comm.rank(), comm.world_size())):
             engine = _engine(actors=not attempt.endswith("-none"))
         out = {"tier": type(engine.tier).__name__}
         if load is None:
@@ -75,9 +77,7 @@ def _attempt(address: str, attempt: str, directory: str, load: str | None) -> di
         else:
             out["received"] = _load_counting(engine, snapshots if load == "snapshot" else directory)
         out.update(continue_training(engine, AFTER))
-        if load is not None:
-            engine.destroy()
-        return out  # the first attempt's actors are left as a killed rank leaves them
+        return out  # the actors are left as a killed rank leaves them
     finally:
         ray.shutdown()
 
@@ -130,21 +130,27 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
 
         again = run_ranks(_attempt, 2, shared_ray.address, "second", str(tmp_path), "snapshot", fresh=True)
         assert again[0]["tier"] == "ActorTier" and _same(again[0], first[0])
-        # The new actors read the snapshot from the old ones: what reached each rank is its
-        # parameters in bf16 (2 bytes per element) and its own small file, not the 12 bytes of the
-        # masters and states.
+        # Each rank adopted its predecessor's actors (no new ones, no new CPUs), which read their
+        # own parts of the snapshot in their own memory: what reached each rank is its parameters
+        # in bf16 (2 bytes per element) and its own small file, not the 12 bytes of the masters
+        # and states.
+        assert {a.actor_id for a in _holders()} == first_actors
         for rank, shard_of in zip(again, first):
             print(f"load at the same world size: {rank['received']:,} array bytes reached a rank of "
                   f"{shard_of['shard']:,} elements")
             assert rank["received"] <= 2 * shard_of["shard"] + 0.05 * in_actors
-        # The first attempt's actors keep only their files; the second's were closed by their rank.
-        assert {a.actor_id for a in _holders()} == first_actors
 
         loads = [("third-none", "checkpoint"), ("fourth-none", "snapshot"), ("fifth", "snapshot")]
         one = [run_ranks(_attempt, 1, shared_ray.address, attempt, str(tmp_path), load, fresh=True)[0]
                for attempt, load in loads]
         assert one[0]["tier"] == "LocalTier" and one[2]["tier"] == "ActorTier"
         assert one[2]["received"] <= 2 * shard + 0.05 * in_actors  # resharded 2 -> 1 by the actors
+        # The one rank adopted the 2 actors of rank 0; rank 1's are retired: they dropped their
+        # training state and keep only the snapshot files, until those are deleted.
+        alive = _holders()
+        trained = [actor_storage_bytes(ray.get_actor(a.name, namespace=a.ray_namespace), attribute="shards")
+                   for a in alive]
+        assert len(alive) == 4 and sorted(b > 0 for b in trained) == [False, False, True, True], trained
         assert _same(one[1], one[0]) and _same(one[2], one[0])
 
         # A lost holder: its files cannot be read, and the error says which and why.
@@ -153,15 +159,23 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
         assert len(held) == 4
         victim = next(a for a in _holders())
         ray.kill(ray.get_actor(victim.name, namespace=victim.ray_namespace), no_restart=True)
-        errors = []
-        for name in held:
-            try:
-                storage.read(f"global_step{BEFORE}/{name}")
-            except OSError as err:
-                errors.append(str(err))
-        assert len(errors) == 1 and victim.name in errors[0] and "lost" in errors[0], errors
 
-        ray.get(store.delete.remote("/", True))  # the snapshots replaced: their holders go
-        assert _eventually(lambda: _holders() == []), _holders()
+        def unreadable() -> list[str]:
+            errors = []
+            for name in held:
+                try:
+                    storage.read(f"global_step{BEFORE}/{name}")
+                except OSError as err:
+                    errors.append(str(err))
+            return errors
+
+        # Ray frees a dead owner's objects once it learns of the death (about a second).
+        assert _eventually(lambda: len(unreadable()) == 1), unreadable()
+        errors = unreadable()
+        assert victim.name in errors[0] and "lost" in errors[0], errors
+
+        ray.get(store.delete.remote("/", True))  # the snapshots replaced: the retired holders go
+        assert _eventually(lambda: len(_holders()) == 2), _holders()
     finally:
         ray.kill(store)
+    assert _eventually(lambda: _holders() == []), _holders()  # the rest die with their owner
