@@ -15,9 +15,9 @@ lost) when the store cannot be read.
 
 With the actor tier the store is also the owner of the offload actors
 (:mod:`raydeep.ray.snapshot_holders`): they outlive the rank that uses them, and each keeps the
-part files it writes into a snapshot in its own memory, on its CPU node, where the store only
-records who holds them. A snapshot's masters and optimizer states never travel to the driver's
-node; a restart reads them from the actors that wrote them.
+part files it writes into a snapshot as objects on its CPU node, where the store only records who
+holds them. A snapshot's masters and optimizer states never travel to the driver's node; a
+restart's actors read them where they are.
 
 >>> import ray  # doctest: +SKIP
 >>> store = start_store()  # doctest: +SKIP
@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import ray
 
+from raydeep.ray.node_memory import available_memory
 from raydeep.storage import Storage
 
 KEEP = 2  # snapshots kept: the newest, and the one before it while the newest is written
@@ -154,6 +155,8 @@ class SnapshotStore:
         from raydeep.ray.snapshot_holders import HoldingOffloadActor
 
         if attempt != self.attempt:  # the previous attempt's actors, by rank, are up for adoption
+            # (what an attempt that failed half-way through creating left unadopted is retired)
+            self._retire([actor for left in self.spare.values() for actor in left])
             self.attempt, self.spare, self.ranks, self.created = attempt, self.ranks, {}, 0
         adopted = []
         for r in [rank] + sorted(r for r in self.spare if r >= world_size):
@@ -213,27 +216,6 @@ class SnapshotStore:
         while path and path not in self.dirs:
             self.dirs.add(path)
             path = posixpath.dirname(path)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory a process here can still take: Linux's MemAvailable, less where the
-    cgroup (a container's limit, as on KubeRay) leaves less; None where neither can be read."""
-    found = []
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
-            text = limit.read().strip()
-            if text != "max":
-                found.append(int(text) - int(used.read()))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 def _tag_of(path: str) -> str:

@@ -67,7 +67,7 @@ class HoldingOffloadActor(OffloadActor):
 
     def node_room(self) -> tuple[str, int | None]:
         """This actor's node, and the bytes of memory still available there (None: unknown)."""
-        from raydeep.ray.memory_snapshots import available_memory
+        from raydeep.ray.node_memory import available_memory
 
         return ray.get_runtime_context().get_node_id(), available_memory()
 

@@ -47,10 +47,10 @@ staged, and receives only the parameters in the model dtype.
 
 Fault model: Ray Train restarts the whole worker group. The actors have ``max_restarts=0``: a
 dead actor or a lost object fails the attempt (``OffloadActorLost``, retried), whose next attempt
-creates new ones and loads them from the newest snapshot or checkpoint. Left to itself the tier
-creates its actors, so they die with the rank; under ``actors_owned_by`` (a Ray Train run keeping
-memory snapshots) the run's snapshot store creates them, they outlive the rank, and they keep
-their part of each memory snapshot for the next attempt (``raydeep.ray.snapshot_holders``). No
+loads its actors from the newest snapshot or checkpoint. Left to itself the tier creates its
+actors, so they die with the rank; under ``actors_owned_by`` (a Ray Train run keeping memory
+snapshots) the run's snapshot store creates them, they outlive the rank, keep their part of each
+memory snapshot, and the next attempt's ranks adopt them (``raydeep.ray.snapshot_holders``). No
 placement group is created, so none can leak.
 """
 from __future__ import annotations

@@ -41,16 +41,27 @@ def head():
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_AUTH_MODE": "disabled"}
     address_file = Path(get_ray_address_file(None))
     previous_address = address_file.read_text() if address_file.is_file() else None
-    gcs_port, dashboard_port = free_port(), free_port()
+    started = []
     try:
         # Every port on a free one: Ray's defaults may be taken by the shared cluster or another Ray.
-        subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs_port}", f"--dashboard-port={dashboard_port}",
-                        "--dashboard-host=127.0.0.1", f"--dashboard-agent-listen-port={free_port()}",
-                        f"--ray-client-server-port={free_port()}", "--num-cpus=2", "--disable-usage-stats"],
-                       env=env, check=True, capture_output=True)
+        # A port found free can be taken before Ray binds it (other test processes start clusters
+        # too), so a failed start is tried again on new ports, and its own output is shown.
+        for attempt in range(3):
+            gcs_port, dashboard_port = free_port(), free_port()
+            started.append(gcs_port)
+            done = subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs_port}",
+                                   f"--dashboard-port={dashboard_port}", "--dashboard-host=127.0.0.1",
+                                   f"--dashboard-agent-listen-port={free_port()}",
+                                   f"--ray-client-server-port={free_port()}", "--num-cpus=2", "--disable-usage-stats"],
+                                  env=env, capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+            stop_head(gcs_port)
+        assert done.returncode == 0, f"ray start failed 3 times; the last said:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         yield f"http://127.0.0.1:{dashboard_port}", env
     finally:
-        stop_head(gcs_port)
+        for port in started:
+            stop_head(port)
         # `ray start` pointed `ray.init()` on this machine at its head; point it back.
         if previous_address is None:
             address_file.unlink(missing_ok=True)
