@@ -181,6 +181,13 @@ class SnapshotStore:
         self.orphans.discard(lost)
         return actor
 
+    def close(self) -> None:
+        """Kill every offload actor this store created, before the store itself is killed (Ray
+        kills an owner's actors with it too, but not always at once)."""
+        for actor in {a for actors in [*self.ranks.values(), *self.spare.values()] for a in actors} | self.orphans:
+            ray.kill(actor, no_restart=True)
+        self.ranks, self.spare, self.orphans, self.held = {}, {}, set(), {}
+
     def _retire(self, actors: list) -> None:
         for actor in actors:
             self.orphans.add(actor)

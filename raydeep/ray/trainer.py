@@ -232,6 +232,15 @@ def fit(spec: TrainSpec, on_progress=None, address: str | None = None, poll_inte
     return summary
 
 
+def _close_store(store) -> None:
+    """Kill the snapshot store and the offload actors it owns (see ``SnapshotStore.close``)."""
+    try:
+        ray.get(store.close.remote(), timeout=30)
+    except (ray.exceptions.RayError, TimeoutError):
+        pass  # a lost store took its actors with it
+    ray.kill(store)
+
+
 def _run(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, driver_id: str, on_progress,
          poll_interval_s: float, callbacks: Sequence) -> tuple:
     """``fit``'s Ray Train run: ``(result, monitor snapshot, start time, error)``, the error (a
@@ -258,5 +267,5 @@ def _run(spec: TrainSpec, ds_config: dict, schedule: BatchSchedule, driver_id: s
         snapshot = poller.stop()
         ray.kill(monitor)
         if snapshots is not None:
-            ray.kill(snapshots)
+            _close_store(snapshots)
     return result, snapshot, started, error
