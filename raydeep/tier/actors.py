@@ -67,9 +67,10 @@ import torch
 from torch import nn
 
 from raydeep.errors import LostResource
-from raydeep.tier.base import OptimizerTier, TierState, UnitRange
+from raydeep.tier.base import OptimizerTier, UnitRange
 from raydeep.tier.masters import plan_sub_groups
-from raydeep.tier.offload_actor import OffloadActor, dtype_of, from_wire, payload_bytes, to_wire, wire_states
+from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
+from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
 
 __all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "actors_owned_by", "fetch",
@@ -126,16 +127,6 @@ def fetch(refs):
             from err
 
 
-def _merged(parts) -> tuple[dict, dict]:
-    """The actors' ``(state dtypes, scalars by group)`` as one: each actor knows its own chunks'."""
-    dtypes, scalars = {}, {}
-    for part_dtypes, part_scalars in parts:
-        dtypes.update(part_dtypes)
-        for g, found in part_scalars.items():
-            scalars.setdefault(g, {}).update(found)
-    return dtypes, scalars
-
-
 @dataclass
 class StepHandle:
     """An update ``ActorTier._submit`` started and ``ActorTier._collect`` finishes."""
@@ -152,49 +143,6 @@ class StepHandle:
     copying: float = 0.0  # seconds this process spent copying gradients and parameters and sending
     computing: dict[int, float] = field(default_factory=dict)  # CPU-step seconds per actor
     finished: float = 0.0  # when the last result was taken
-
-
-@dataclass
-class RemoteSnapshot:
-    """A copy of an ``ActorTier``'s state over some ranges, held in its actors (see the module
-    docstring). ``segments[a]`` lists ``(unit, flat start, flat end)`` of actor ``a``'s copy in
-    the order it packed them: element ``i`` of its tensors is element ``i`` of those runs."""
-
-    tier: "ActorTier"
-    key: str
-    calls: list  # one per actor: its state dtypes and scalars
-    segments: list[list[tuple[int, int, int]]]
-    optimizer: str
-    param_groups: list[dict]
-    written: bool = False
-
-    def state(self) -> TierState:
-        """The optimizer's name, state dtypes, hyperparameters and scalars (no tensors: ``units``
-        is empty); waits for the actors' copies."""
-        dtypes, scalars = _merged(self.tier._get(self.calls))
-        return TierState([], self.optimizer, dtypes, self.param_groups,
-                         [scalars.get(g, {}) for g in range(len(self.param_groups))])
-
-    def write(self, names: list[str], sink) -> list[dict]:
-        """Actor ``a`` writes its copy as file ``names[a]`` through ``sink`` (``sink.reachable()``,
-        ``sink(name, master, states) -> entry``; picklable); returns each file's entry. An actor
-        that cannot reach the storage hands its copy here, and this process writes it."""
-        actors = self.tier.actors
-        entries = self.tier._get([a.write_snapshot.remote(self.key, sink, n) for a, n in zip(actors, names)])
-        for a, entry in enumerate(entries):
-            if entry is None:
-                master, states = self.tier._get(actors[a].fetch_snapshot.remote(self.key))
-                entries[a] = sink(names[a], from_wire(master, torch.float32),
-                                  {k: from_wire(v, dtype_of(d)) for k, (v, d) in states.items()})
-        self.written = True
-        return entries
-
-    def discard(self) -> None:
-        """Drop an unwritten copy (a save that failed before writing); does not wait."""
-        if not self.written:
-            for actor in self.tier.actors:
-                actor.discard_snapshot.remote(self.key)
-            self.written = True
 
 
 class ActorTier(OptimizerTier):
@@ -394,7 +342,7 @@ class ActorTier(OptimizerTier):
     def _export(self, ranges, with_optimizer):
         assert self._pending is None, "an update is in flight"
         parts = self._get([a.export.remote(ranges, with_optimizer) for a in self.actors])
-        dtypes, scalars = _merged([(part_dtypes, part_scalars) for _, part_dtypes, part_scalars in parts])
+        dtypes, scalars = merged_parts([(part_dtypes, part_scalars) for _, part_dtypes, part_scalars in parts])
         return [s for part_segments, _, _ in parts for s in part_segments], dtypes, scalars
 
     def _import(self, pieces: list[UnitRange], scalars) -> None:
