@@ -158,7 +158,11 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
         held = [n for n in json.loads(storage.read(f"global_step{BEFORE}/manifest.json"))["files"] if "-part" in n]
         assert len(held) == 4
         victim = next(a for a, kept in zip(alive, trained) if not kept)  # a retired one: the other 2 train on
-        ray.kill(ray.get_actor(victim.name, namespace=victim.ray_namespace), no_restart=True)
+        victim_handle = ray.get_actor(victim.name, namespace=victim.ray_namespace)
+        ray.kill(victim_handle, no_restart=True)
+        # Read only once it is gone: a file fetched while it still lived may stay in the reader's
+        # node store, and Ray serves such a copy on.
+        assert _eventually(lambda: _is_dead(victim_handle)), victim.name
 
         def unreadable() -> list[str]:
             errors = []
@@ -180,3 +184,13 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
         ray.get(store.close.remote())  # as fit does at the end of a run
         ray.kill(store)
     assert _eventually(lambda: _holders() == []), _holders()
+
+
+def _is_dead(actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return False
