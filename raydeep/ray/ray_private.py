@@ -8,6 +8,8 @@ below and the signatures raydeep relies on, so a Ray upgrade fails there first, 
 - ``DefaultFailurePolicy``/``FailureDecision``: the failure policy that never retries a
   deterministic raydeep error (:mod:`raydeep.ray.failures`);
 - ``DatasetsCallback``: left out of the default callbacks when no Ray Datasets are given;
+- ``ControllerCallback`` (a ``DeveloperAPI``): the hook before each worker group starts
+  (:mod:`raydeep.ray.freed_resources`);
 - ``TRAINER_OVERRIDES``: the ``TorchTrainer`` methods ``RaydeepTorchTrainer`` overrides (the
   policy reaches Ray Train's ``TrainController`` as its ``failure_policy`` keyword);
 - ``canonicalize_bootstrap_address``: Ray's own lookup of the cluster ``ray start`` left running.
@@ -18,6 +20,7 @@ import logging
 
 import ray
 from ray.train.v2._internal.callbacks import DatasetsCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
 logger = logging.getLogger("raydeep")
@@ -25,7 +28,7 @@ logger = logging.getLogger("raydeep")
 CHECKED_ON = "2.60"  # the Ray release (major.minor) these names and signatures were checked on
 TRAINER_OVERRIDES = ("_initialize_and_run_controller", "_create_default_callbacks")
 
-__all__ = ["CHECKED_ON", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision", "TRAINER_OVERRIDES",
+__all__ = ["CHECKED_ON", "ControllerCallback", "DatasetsCallback", "DefaultFailurePolicy", "FailureDecision", "TRAINER_OVERRIDES",
            "canonicalize_bootstrap_address", "checked_release"]
 
 

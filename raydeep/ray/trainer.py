@@ -28,6 +28,7 @@ from raydeep.config.sections import RaydeepSection
 from raydeep.errors import InputError
 from raydeep.ray.batch_plan import BatchSchedule, plan_batches
 from raydeep.ray.failures import RaydeepFailurePolicy, deterministic_error
+from raydeep.ray.freed_resources import AwaitFreedResources
 from raydeep.ray.memory_snapshots import start_store
 from raydeep.ray.ray_private import DatasetsCallback, canonicalize_bootstrap_address
 from raydeep.ray.run_monitor import start_monitor
@@ -87,7 +88,7 @@ class RaydeepTorchTrainer(TorchTrainer):
                 signal.signal(signal.SIGINT, previous)
 
     def _create_default_callbacks(self):
-        callbacks = super()._create_default_callbacks()
+        callbacks = super()._create_default_callbacks() + [AwaitFreedResources()]
         if self.datasets:
             return callbacks
         return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
