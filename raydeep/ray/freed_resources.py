@@ -5,7 +5,9 @@ at once. The removed bundles reach the GCS's view of free resources some tens of
 later, so the new group's first placement attempt fails, and the GCS retries a pending placement
 group only at its next periodic pass, once a second: half a second of idle cluster on every
 restart, on average. Waiting for the freed resources first places the group at its first attempt.
-The wait is bounded by that period, so it never costs more than Ray's own retry would.
+The wait is bounded by that period: where the resources do not come back (a lost node, another
+run holding them) the group is asked for at most a second later than before, and could not have
+been placed in that second anyway (the free resources did not add up to it).
 """
 from __future__ import annotations
 
