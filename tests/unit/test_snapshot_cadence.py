@@ -28,12 +28,33 @@ def test_a_number_snapshots_every_n_global_steps_whatever_it_costs():
 
 
 def test_auto_measures_after_the_second_step_and_spends_at_most_the_budget():
-    # 0.1 s steps, 0.012 s snapshots: 0.012 / (0.03 * 0.1) = 4 steps apart, counted in this attempt.
-    assert due_steps(SnapshotCadence("auto"), range(11, 30), snapshot_s=0.012) == [12, 16, 20, 24, 28]
+    # 0.1 s steps, 0.012 s snapshots: 0.012 / (0.03 * 0.1) = 4 steps apart, counted in this attempt,
+    # once the early first snapshot (after 1 step of training time) is paid for: the second waits
+    # until 2 snapshots are 3% of the training time (8 steps), then one every 4.
+    taken = due_steps(SnapshotCadence("auto"), range(11, 40), snapshot_s=0.012)
+    assert taken == [12, 19, 23, 27, 31, 35, 39]
+    for end in range(12, 40):  # at every step after its first snapshot the attempt is within budget
+        spent, trained = 0.012 * sum(step <= end for step in taken[1:]), 0.1 * (end - 11)
+        assert spent <= BUDGET * trained + 1e-12, end
     cadence = SnapshotCadence("auto")
     due_steps(cadence, range(1, 3), step_s=0.09, snapshot_s=0.035)
     assert cadence.gap == math.ceil(0.035 / (BUDGET * 0.09)) == 13
     assert 0.035 / (cadence.gap * 0.09) <= BUDGET
+
+
+def test_a_snapshot_dearer_than_expected_is_paid_back_by_a_later_next_one():
+    cadence, taken, costs = SnapshotCadence("auto"), [], []
+    for step in range(1, 80):
+        cadence.step_done(0.1)
+        if cadence.due(step):
+            taken.append(step)
+            costs.append(0.05 if len(taken) == 4 else 0.012)  # the 4th costs 4x what was expected
+            cadence.measured(costs[-1], cadence.typical_step_s())
+    assert taken[:4] == [2, 9, 13, 17]
+    # Then nothing until 5 snapshots (the next expected at 0.05 s too) fit in 3% of the training
+    # time: 0.086 + 0.05 <= 0.03 * 0.1 * 46 at step 47. The gap alone (17 steps) would say 34.
+    assert taken[4] == 47
+    assert sum(costs) <= BUDGET * 0.1 * 78  # the whole attempt, the early first snapshot included
 
 
 def test_the_first_step_of_an_attempt_is_warm_up_not_a_step_time():
