@@ -162,11 +162,13 @@ def overhead(args) -> None:
             shares[setting].append(in_snapshots / wall)
     base = statistics.median(walls["0"])
     print(f"2. snapshot overhead: {OVERHEAD_STEPS} steps, {args.workers} workers, {args.pairs} runs each, alternated "
-          "(median wall of steps 2..N-1):")
+          "(median wall of steps 2..N-1; paired: the median of each round's ratio to the no-snapshot run "
+          "just before it, which a machine's drift between rounds does not move):")
     for setting in settings:
         wall = statistics.median(walls[setting])
-        print(f"   memory_snapshot_every={setting:5s} {wall:6.2f} s  x{wall / base:.3f} of no snapshots; "
-              f"in snapshots {100 * statistics.median(shares[setting]):4.1f}% of the wall")
+        paired = statistics.median(w / w0 for w, w0 in zip(walls[setting], walls["0"]))
+        print(f"   memory_snapshot_every={setting:5s} {wall:6.2f} s  x{wall / base:.3f} of no snapshots "
+              f"(paired x{paired:.3f}); in snapshots {100 * statistics.median(shares[setting]):4.1f}% of the wall")
 
 
 def goodput(args) -> None:
