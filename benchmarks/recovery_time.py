@@ -149,19 +149,19 @@ def _steps_wall(run_uri: str) -> tuple[float, float]:
 def overhead(args) -> None:
     from raydeep.ray import fit
 
-    settings = ["0", "auto", args.snapshots]
+    settings = list(dict.fromkeys(["0", "auto", str(args.snapshots)]))  # --snapshots 0: the first two only
     walls: dict[str, list[float]] = {s: [] for s in settings}
     shares: dict[str, list[float]] = {s: [] for s in settings}
     for pair in range(args.pairs):
         for setting in settings:
             with tempfile.TemporaryDirectory() as storage:
-                spec = spec_for(storage, "overhead", OVERHEAD_STEPS, args.workers, setting, 0)
+                spec = spec_for(storage, "overhead", args.overhead_steps, args.workers, setting, 0)
                 fit(spec, log_to_driver=False)
                 wall, in_snapshots = _steps_wall(spec.run_uri)
             walls[setting].append(wall)
             shares[setting].append(in_snapshots / wall)
     base = statistics.median(walls["0"])
-    print(f"2. snapshot overhead: {OVERHEAD_STEPS} steps, {args.workers} workers, {args.pairs} runs each, alternated "
+    print(f"2. snapshot overhead: {args.overhead_steps} steps, {args.workers} workers, {args.pairs} runs each, alternated "
           "(median wall of steps 2..N-1; paired: the median of each round's ratio to the no-snapshot run "
           "just before it, which a machine's drift between rounds does not move):")
     for setting in settings:
@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--snapshots", default="1", help='memory snapshot cadence of the kill and goodput runs '
                         '(steps, or "auto")')
     parser.add_argument("--pairs", type=int, default=3, help="runs of each snapshot setting in the overhead part")
+    parser.add_argument("--overhead-steps", type=int, default=OVERHEAD_STEPS, help="steps of each overhead run")
     parser.add_argument("--parts", default="kills,overhead,goodput")
     parser.add_argument("--offload", action="store_true", help="the optimizer states in offload actors (kills only)")
     args = parser.parse_args(argv)
