@@ -20,16 +20,19 @@ from raydeep.ray.ray_private import ControllerCallback
 # this could only delay a group Ray would have placed anyway.
 GCS_RETRY_PERIOD_S = 1.0
 POLL_S = 0.01
+RAY_RESOURCE_DECIMALS = 4  # Ray keeps resource quantities in units of 1e-4
 
 
 def group_demand(total_resources: dict[str, float], max_workers: int, num_workers: int) -> dict[str, float]:
     """Resources of ``num_workers`` workers, from the scaling config's ``total_resources`` (those
-    of ``max_workers`` workers).
+    of ``max_workers`` workers), in Ray's resource units (1e-4: 3 x 0.1 CPU is 0.3, not the float
+    sum just above it, which no free 0.3 would ever cover).
 
-    >>> group_demand({"CPU": 4.0, "GPU": 2.0}, 2, 1)
-    {'CPU': 2.0, 'GPU': 1.0}
+    >>> group_demand({"CPU": 4.0, "GPU": 2.0}, 2, 1), group_demand({"CPU": 0.1 + 0.1 + 0.1}, 3, 3)
+    ({'CPU': 2.0, 'GPU': 1.0}, {'CPU': 0.3})
     """
-    return {key: value / max_workers * num_workers for key, value in total_resources.items() if value > 0}
+    return {key: round(value / max_workers * num_workers, RAY_RESOURCE_DECIMALS)
+            for key, value in total_resources.items() if value > 0}
 
 
 def covers(available: dict[str, float], demand: dict[str, float]) -> bool:
@@ -39,7 +42,7 @@ def covers(available: dict[str, float], demand: dict[str, float]) -> bool:
     >>> covers({"CPU": 2.0, "memory": 1e9}, {"CPU": 2.0}), covers({"CPU": 1.0}, {"CPU": 2.0})
     (True, False)
     """
-    return all(available.get(key, 0.0) >= value for key, value in demand.items())
+    return all(round(available.get(key, 0.0), RAY_RESOURCE_DECIMALS) >= value for key, value in demand.items())
 
 
 def await_resources(demand: dict[str, float], available: Callable[[], dict],

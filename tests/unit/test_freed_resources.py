@@ -5,7 +5,7 @@ import inspect
 
 from ray.train import ScalingConfig
 
-from raydeep.ray.freed_resources import AwaitFreedResources, await_resources, group_demand
+from raydeep.ray.freed_resources import AwaitFreedResources, await_resources, covers, group_demand
 from raydeep.ray.ray_private import ControllerCallback
 from raydeep.ray.trainer import RaydeepTorchTrainer
 
@@ -33,6 +33,9 @@ def test_the_demand_is_the_groups_at_its_size():
     assert group_demand(scaling.total_resources, scaling.max_workers, 3) == {"CPU": 6.0, "trainer": 3.0}
     gpus = ScalingConfig(num_workers=2, use_gpu=True)
     assert group_demand(gpus.total_resources, gpus.max_workers, 2) == {"GPU": 2.0}
+    # Fractions in Ray's units: three workers of 0.1 CPU fit in a free 0.3 (their float sum does not).
+    tenths = ScalingConfig(num_workers=3, resources_per_worker={"CPU": 0.1})
+    assert covers({"CPU": 0.3}, group_demand(tenths.total_resources, tenths.max_workers, 3))
 
 
 def test_every_raydeep_trainer_waits_through_ray_trains_controller_hook():
