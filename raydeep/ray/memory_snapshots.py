@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import posixpath
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -40,6 +41,16 @@ from raydeep.storage import Storage
 KEEP = 2  # snapshots kept: the newest, and the one before it while the newest is written
 
 
+class Held(NamedTuple):
+    """A file an offload actor holds: the actor, its name (for messages), the file's size and the
+    object that is the file, which the actor owns."""
+
+    holder: object
+    name: str
+    size: int
+    content: object
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class SnapshotStore:
     """Files by path, in this process's memory or held by the offload actors that wrote them;
@@ -49,13 +60,12 @@ class SnapshotStore:
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
-        self.held: dict[str, tuple] = {}  # path -> (holder actor, its name, size, the file's object)
+        self.held: dict[str, Held] = {}
         self.dirs: set[str] = {"/"}
         # The offload actors: the current attempt's by rank, and the previous attempt's not yet adopted.
         self.attempt: str | None = None
         self.ranks: dict[int, list] = {}
         self.spare: dict[int, list] = {}
-        self.created = 0  # ranks of the current attempt that have their actors
         self.orphans: set = set()  # retired actors that still hold files (handles hash by actor id)
 
     def put(self, path: str, data: bytes) -> None:
@@ -69,7 +79,7 @@ class SnapshotStore:
         it owns: the object lives while this entry does and its holder is alive."""
         self._forget(path)
         self._make_dir(posixpath.dirname(path))
-        self.held[path] = (holder, name, size, content[0])
+        self.held[path] = Held(holder, name, size, content[0])
 
     def get(self, path: str):
         """A file's bytes, or ``(holder's name, [its object])`` for a file an offload actor holds
@@ -77,8 +87,7 @@ class SnapshotStore:
         if path in self.files:
             return self.files[path]
         if path in self.held:
-            _, name, _, content = self.held[path]
-            return name, [content]
+            return self.held[path].name, [self.held[path].content]
         raise FileNotFoundError(path)
 
     def info(self, paths: list[str]) -> list[tuple[str, int]]:
@@ -121,7 +130,7 @@ class SnapshotStore:
         return sum(len(d) for d in self.files.values())
 
     def bytes_held_by_actors(self) -> int:
-        return sum(entry[2] for entry in self.held.values())
+        return sum(entry.size for entry in self.held.values())
 
     def room(self) -> tuple[int, int | None]:
         """(bytes of the largest snapshot held here, bytes of memory still available on this
@@ -135,9 +144,9 @@ class SnapshotStore:
         """``(holder, bytes of the largest snapshot it holds part of)`` for each offload actor
         holding files."""
         sizes: dict = {}
-        for path, (holder, _, size, _) in self.held.items():
-            by_tag = sizes.setdefault(holder, {})
-            by_tag[_tag_of(path)] = by_tag.get(_tag_of(path), 0) + size
+        for path, entry in self.held.items():
+            by_tag = sizes.setdefault(entry.holder, {})
+            by_tag[_tag_of(path)] = by_tag.get(_tag_of(path), 0) + entry.size
         return [(holder, max(by_tag.values())) for holder, by_tag in sizes.items()]
 
     # --- the offload actors' owner (raydeep.ray.snapshot_holders) ---------------------------------------
@@ -157,7 +166,7 @@ class SnapshotStore:
         if attempt != self.attempt:  # the previous attempt's actors, by rank, are up for adoption
             # (what an attempt that failed half-way through creating left unadopted is retired)
             self._retire([actor for left in self.spare.values() for actor in left])
-            self.attempt, self.spare, self.ranks, self.created = attempt, self.ranks, {}, 0
+            self.attempt, self.spare, self.ranks = attempt, self.ranks, {}
         adopted = []
         for r in [rank] + sorted(r for r in self.spare if r >= world_size):
             while len(adopted) < len(options) and self.spare.get(r):
@@ -166,8 +175,7 @@ class SnapshotStore:
         remote = ray.remote(HoldingOffloadActor)
         made = adopted + [remote.options(**o).remote(*a) for o, a in zip(options[len(adopted):], args[len(adopted):])]
         self.ranks[rank] = list(made)
-        self.created += 1
-        if self.created >= world_size:  # every rank has its actors: nobody adopts the rest
+        if len(self.ranks) >= world_size:  # every rank has its actors: nobody adopts the rest
             self._retire([actor for left in self.spare.values() for actor in left])
             self.spare = {}
         return made, len(adopted)
@@ -195,7 +203,7 @@ class SnapshotStore:
         self._kill_idle_orphans()
 
     def _kill_idle_orphans(self) -> None:
-        idle = self.orphans - {entry[0] for entry in self.held.values()}
+        idle = self.orphans - {entry.holder for entry in self.held.values()}
         for actor in idle:
             ray.kill(actor, no_restart=True)
         self.orphans -= idle
@@ -203,20 +211,20 @@ class SnapshotStore:
     def _size(self, path: str) -> int | None:
         if path in self.files:
             return len(self.files[path])
-        return self.held[path][2] if path in self.held else None
+        return self.held[path].size if path in self.held else None
 
     def _move_file(self, src: str, dst: str) -> None:
         if src in self.files:
             self.put(dst, self.files.pop(src))
         else:
-            holder, name, size, content = self.held.pop(src)
-            self.put_held(dst, holder, name, size, [content])
+            entry = self.held.pop(src)
+            self.put_held(dst, entry.holder, entry.name, entry.size, [entry.content])
 
     def _forget(self, path: str) -> None:
         """Drop file ``path`` (a held one's object is freed with the last reference to it)."""
         self.files.pop(path, None)
         entry = self.held.pop(path, None)
-        if entry is not None and entry[0] in self.orphans:
+        if entry is not None and entry.holder in self.orphans:
             self._kill_idle_orphans()
 
     def _make_dir(self, path: str) -> None:
