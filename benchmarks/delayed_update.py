@@ -18,7 +18,7 @@ import torch
 from raydeep.bench.ranks import on_gloo_ranks
 
 
-def _rank(model: str, steps: int, delayed: bool, warmup: int) -> list[float]:
+def _rank(model: str, steps: int, delayed: bool, lookahead: bool, warmup: int) -> list[float]:
     import torch.distributed as dist
 
     import raydeep
@@ -31,7 +31,8 @@ def _rank(model: str, steps: int, delayed: bool, warmup: int) -> list[float]:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3, "warmup_num_steps": 20}},
            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-           "raydeep": {"offload_target": "host", "delayed_update": delayed, "delayed_update_warmup_steps": warmup}}
+           "raydeep": {"offload_target": "host", "delayed_update": delayed, "delayed_update_warmup_steps": warmup,
+                       "delayed_update_lookahead": lookahead}}
     engine, *_ = raydeep.initialize(model=build_gpt(model, block_size=128), config=cfg)
     data = builtin_dataset(block_size=128)
     g = torch.Generator().manual_seed(1)
@@ -49,6 +50,9 @@ def _rank(model: str, steps: int, delayed: bool, warmup: int) -> list[float]:
     return losses
 
 
+RUNS = (("no delay", False, False), ("delayed, plain rule", True, False), ("delayed, lookahead", True, True))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt-tiny")
@@ -56,13 +60,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=10, help="ordinary steps before the delay starts")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    runs = {name: on_gloo_ranks(2, _rank, (args.model, args.steps, delayed, args.warmup))[0]
-            for name, delayed in (("no delay", False), ("delayed", True))}
+    runs = {name: on_gloo_ranks(2, _rank, (args.model, args.steps, delayed, lookahead, args.warmup))[0]
+            for name, delayed, lookahead in RUNS}
     final = {name: statistics.mean(losses[-20:]) for name, losses in runs.items()}
-    ratio = final["delayed"] / final["no delay"]
-    print(f"{args.model}, 2 ranks, {args.steps} steps on the built-in corpus: final loss (mean of the last 20) "
-          f"without delay {final['no delay']:.4f}, delayed {final['delayed']:.4f}: {ratio:.4f}x (target within 1%)")
-    report = {"model": args.model, "steps": args.steps, "final_loss": final, "ratio": ratio, "losses": runs}
+    ratios = {name: final[name] / final["no delay"] for name in final}
+    print(f"{args.model}, 2 ranks, {args.steps} steps on the built-in corpus, warm-up {args.warmup}: "
+          "final loss (mean of the last 20), and against no delay (target: the lookahead within 1%)")
+    for name in final:
+        print(f"  {name:<28} {final[name]:.4f}  {ratios[name]:.4f}x")
+    report = {"model": args.model, "steps": args.steps, "final_loss": final, "ratio": ratios, "losses": runs}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f)

@@ -277,6 +277,12 @@ class RaydeepSection(Section):
     # DeepSpeed's zero_optimization.zenflow.overlap_step turns on the same thing.
     delayed_update: Flag = False
     delayed_update_warmup_steps: int = Field(10, ge=0)
+    # Under the delayed update, take each step's gradients where the running update is taking
+    # the parameters (raydeep.tier.lookahead): the rank sets them to Adam's next step predicted
+    # from its new gradients, so one step of delay does not shrink Adam's stable step size 38-fold.
+    # Adam/AdamW only; costs one model-dtype buffer of the owned shard. false: ZeRO-Offload's
+    # plain rule (the forward reads parameters one update old).
+    delayed_update_lookahead: Flag = True
     # Empty the accelerator allocator's cache every N optimizer steps (0: never). The field
     # report's advice against fragmentation in long runs; it does nothing on a CPU.
     empty_cache_every: int = Field(0, ge=0)

@@ -321,6 +321,7 @@ SUPPORT: dict[str, Support] = {
     "raydeep.cpu_update_threads": read(TIERS),
     "raydeep.delayed_update": read(BUILDER, ENGINE),
     "raydeep.delayed_update_warmup_steps": read(BUILDER),
+    "raydeep.delayed_update_lookahead": read(TIERS),
     "raydeep.empty_cache_every": read(BUILDER, ENGINE),
     "raydeep.overflow_diagnosis_after": read(BUILDER),
     "raydeep.metrics": read("raydeep/ray/step_metrics.py"),

@@ -68,6 +68,7 @@ from torch import nn
 
 from raydeep.errors import LostResource
 from raydeep.tier.base import OptimizerTier, UnitRange
+from raydeep.tier.lookahead import look_ahead
 from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
 from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
@@ -139,6 +140,7 @@ class StepHandle:
     next: int = 0  # the next sub-group to send
     in_flight: deque = field(default_factory=deque)  # (sub-group, call), oldest first
     out: list[torch.Tensor] = field(default_factory=list)  # where results go: each ``unit.local``, or held
+    rates: list[torch.Tensor] = field(default_factory=list)  # with the lookahead: where its rates go (held)
     driver: Future | None = None  # the thread running ``_drive``, in the background
     copying: float = 0.0  # seconds this process spent copying gradients and parameters and sending
     computing: dict[int, float] = field(default_factory=dict)  # CPU-step seconds per actor
@@ -154,7 +156,7 @@ class ActorTier(OptimizerTier):
 
     def __init__(self, units: list[FlatUnit], group_options: list[dict], make_optimizer: Callable,
                  sub_group_size: int, placement: dict, actors_per_rank: int = 1, cpus_per_actor: float = 1,
-                 start_timeout: float = 300.0, threads: int | None = None):
+                 start_timeout: float = 300.0, threads: int | None = None, lookahead: bool = False):
         import ray
 
         self.units = units
@@ -169,7 +171,10 @@ class ActorTier(OptimizerTier):
         self.in_flight_limit = 2 * count  # see the module docstring's note
         self._pending: StepHandle | None = None
         self._staged: dict[str, str] | None = None  # after remote_load: the state kinds (and dtypes) staged
-        self._held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # background: gradients, parameters
+        # Background updates: held gradients, parameters (or the lookahead's bases) and its rates.
+        self._held: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.lookahead = lookahead  # background updates land as raydeep.tier.lookahead predicts
+        self._rates: list[torch.Tensor] = []  # the lookahead's, beside each ``unit.local``
         self._driver: ThreadPoolExecutor | None = None
         # Array bytes sent to and received from the actors (gradients, parameters, states).
         self.traffic = {"sent": 0, "received": 0}
@@ -251,8 +256,12 @@ class ActorTier(OptimizerTier):
         if background:
             if self._held is None:
                 self._held = ([torch.empty(u.local.numel(), dtype=g.dtype) for u, g in zip(self.units, grad_shards)],
-                              [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units])
+                              [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units],
+                              [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units] if self.lookahead
+                              else [])
+                self._rates = [torch.empty_like(u.local) for u in self.units] if self.lookahead else []
             handle.grads, handle.out = [h.copy_(g) for h, g in zip(self._held[0], grad_shards)], self._held[1]
+            handle.rates = self._held[2]
             handle.copying = time.perf_counter() - handle.began
         self._pending = handle
         try:
@@ -274,7 +283,7 @@ class ActorTier(OptimizerTier):
             a, local_k = self.owner[k]
             payload = [to_wire(handle.grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
             handle.in_flight.append((k, self._call(self.actors[a].step, local_k, payload, handle.grad_dtype,
-                                                   handle.scale, handle.hyper)))
+                                                   handle.scale, handle.hyper, bool(handle.rates))))
             handle.next += 1
         handle.copying += time.perf_counter() - began
 
@@ -286,14 +295,19 @@ class ActorTier(OptimizerTier):
             arrays, seconds = self._get(call)
             self._send(handle)  # the freed place first: the actor gets its next piece while we copy
             started = time.perf_counter()
-            for c, a in zip(self.sub_groups[k], arrays):
+            arrays, rates = arrays if handle.rates else (arrays, None)
+            for i, (c, a) in enumerate(zip(self.sub_groups[k], arrays)):
                 handle.out[c.unit][c.lo:c.hi].copy_(from_wire(a, self.units[c.unit].dtype))
+                if rates is not None:
+                    handle.rates[c.unit][c.lo:c.hi].copy_(from_wire(rates[i], self.units[c.unit].dtype))
             handle.copying += time.perf_counter() - started
             handle.computing[self.owner[k][0]] = handle.computing.get(self.owner[k][0], 0.0) + seconds
         handle.finished = time.perf_counter()
 
-    def _collect(self, handle: StepHandle) -> None:
-        """Finish the update ``handle``; the only writer of ``unit.local`` (see ``_submit``)."""
+    def _collect(self, handle: StepHandle, ahead: tuple[list[torch.Tensor], float] | None = None) -> None:
+        """Finish the update ``handle``; the only writer of ``unit.local`` (see ``_submit``). An
+        update with the lookahead lands as ``base - rate * gradient`` from ``ahead`` (this step's
+        gradient shards and scale), or, without them, as the masters' parameters, fetched."""
         assert handle is self._pending, "not the update in flight"
         try:
             if handle.driver is None:
@@ -303,10 +317,15 @@ class ActorTier(OptimizerTier):
                 started = time.perf_counter()
                 for unit, held in zip(self.units, handle.out):
                     unit.local.copy_(held)
+                if handle.rates and ahead is not None:
+                    for unit, rate, on_device, grad in zip(self.units, handle.rates, self._rates, ahead[0]):
+                        look_ahead(unit.local, on_device.copy_(rate), grad, ahead[1])
+                elif handle.rates:  # landed for its own sake (a save, an overflow, the end): no prediction
+                    self._take_parameters([self._call(actor.parameters) for actor in self.actors])
                 handle.finished = time.perf_counter()
                 handle.copying += handle.finished - started
         finally:
-            self._pending, handle.grads, handle.out = None, [], []
+            self._pending, handle.grads, handle.out, handle.rates = None, [], [], []
         t = self.timings
         t["steps"] += 1
         t["step_s"] += handle.finished - handle.began
@@ -320,9 +339,10 @@ class ActorTier(OptimizerTier):
         return self._pending is not None
 
     def submit(self, grad_shards: list[torch.Tensor], scale: float) -> None:
-        """Land the pending update, then start this one in the background (the gradients are
-        copied: the engine clears them next)."""
-        self.complete()
+        """Land the pending update (with the lookahead: as this step's gradients predict), then
+        start this one in the background (the gradients are copied: the engine clears them next)."""
+        if self._pending is not None:
+            self._collect(self._pending, ahead=(grad_shards, scale))
         self._submit(grad_shards, scale, background=True)
 
     def complete(self) -> None:
@@ -442,6 +462,9 @@ class ActorTier(OptimizerTier):
         for node, found in zip(self.node_ids, self._get([a.memory.remote() for a in self.actors])):
             for kind, nbytes in found.items():
                 held[kind][f"actor:{node}"] = held[kind].get(f"actor:{node}", 0) + nbytes
+        for rate in self._rates:  # the lookahead's, beside the parameters
+            place = str(rate.device)
+            held["step_buffers"][place] = held["step_buffers"].get(place, 0) + rate.numel() * rate.element_size()
         return held
 
     def report(self) -> dict:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from raydeep.tier.base import OptimizerTier, UnitRange
+from raydeep.tier.lookahead import Lookahead, look_ahead
 from raydeep.tier.masters import ALIGN, MasterShards, plan_sub_groups
 from raydeep.zero.flat import FlatUnit
 
@@ -188,7 +189,7 @@ class HostTier(LocalTier):
 
     def __init__(self, units, group_options, make_optimizer, sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
                  pin_memory: bool = True, ratio: float = 1.0, tile: int = DEFAULT_TILE, streams=None,
-                 threads: int | None = None, delayed: bool = False):
+                 threads: int | None = None, delayed: bool = False, lookahead: bool = False):
         self.pin = pin_memory and torch.cuda.is_available()
         self.ratio = ratio
         super().__init__(units, group_options, make_optimizer, sub_group_size, threads)
@@ -200,6 +201,11 @@ class HostTier(LocalTier):
         self._pending: Future | None = None
         self._held_params: list[torch.Tensor] = []  # the delayed update's new parameters, until complete()
         self._held_grads: list[torch.Tensor] = []  # its copy of the gradients
+        # With the lookahead (raydeep.tier.lookahead) the update also writes ``base`` and ``rate``;
+        # ``rate`` travels to a buffer beside each ``unit.local``.
+        self._lookahead = Lookahead(self.shards.optimizer) if delayed and lookahead else None
+        self._held_terms: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rates: list[torch.Tensor] = []
         # The compute device: under offload_param ``unit.local`` is in host memory, ``full`` is not.
         self.device = units[0].full.device if units else torch.device("cpu")
         self.streams = streams or (CudaStreams(self.device) if self.device.type == "cuda" else None)
@@ -266,14 +272,22 @@ class HostTier(LocalTier):
     def submit(self, grad_shards, scale) -> None:
         """Start this step's update and return: the gradients are copied (the engine clears them
         next) and the hyperparameters frozen; the new parameters reach ``unit.local`` only at
-        ``complete``, so the next forward and backward run on the current ones meanwhile."""
+        ``complete``, so the next forward and backward run on the current ones meanwhile. With the
+        lookahead, the pending update lands as ``base - rate * gradient`` instead."""
         assert self._worker is not None, "built without delayed=True"
-        self.complete()
+        if self._lookahead is not None and self._pending is not None:
+            self._land_lookahead(grad_shards, scale)
+        else:
+            self.complete()
         if not self._held_grads:
             self._held_grads = [torch.empty(u.local.numel(), dtype=g.dtype, pin_memory=self.pin)
                                 for u, g in zip(self.units, grad_shards)]
             self._held_params = [torch.empty(u.local.numel(), dtype=u.local.dtype, pin_memory=self.pin)
                                  for u in self.units]
+            if self._lookahead is not None:
+                self._held_terms = [tuple(torch.empty(u.local.numel(), dtype=u.local.dtype, pin_memory=self.pin)
+                                          for _ in range(2)) for u in self.units]
+                self._rates = [torch.empty_like(u.local) for u in self.units]
         for held, grad in zip(self._held_grads, grad_shards):
             held.copy_(grad)  # synchronous: the gradients are cleared after this step
         self._pending = self._worker.submit(self._update_held, scale, self._frozen_hyperparameters())
@@ -283,9 +297,13 @@ class HostTier(LocalTier):
         self.shards.set_hyperparameters(hyper)
         self.shards.peak_grad_bytes = {}
         for k, sub_group in enumerate(self.sub_groups):
-            self.shards.step_sub_group(
+            params = self.shards.step_sub_group(
                 k, [self._held_grads[c.unit].narrow(0, c.lo, c.numel) for c in sub_group], scale, writable=False,
                 outs=[self._held_params[c.unit].narrow(0, c.lo, c.numel) for c in sub_group])
+            if self._lookahead is not None:
+                for param, c in zip(params, sub_group):
+                    base, rate = self._held_terms[c.unit]
+                    self._lookahead.terms(param, base.narrow(0, c.lo, c.numel), rate.narrow(0, c.lo, c.numel))
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - began
 
@@ -298,6 +316,17 @@ class HostTier(LocalTier):
         for unit, held in zip(self.units, self._held_params):
             unit.local.copy_(held, non_blocking=held.is_pinned())
         _sync(self.units)
+
+    def _land_lookahead(self, grad_shards, scale) -> None:
+        """Wait for the submitted update and set each ``unit.local`` to its ``base - rate *
+        gradient`` (``raydeep.tier.lookahead``) from this step's gradients."""
+        pending, self._pending = self._pending, None
+        pending.result()
+        for unit, (base, rate), on_device, grad in zip(self.units, self._held_terms, self._rates, grad_shards):
+            unit.local.copy_(base, non_blocking=base.is_pinned())
+            on_device.copy_(rate, non_blocking=rate.is_pinned())
+            look_ahead(unit.local, on_device, grad, scale)
+        _sync(self.units)  # the pinned terms are rewritten by the next update
 
     def close(self) -> None:
         self.complete()
@@ -419,9 +448,12 @@ class HostTier(LocalTier):
         held = super().memory()
         staging = sum(b.numel() * b.element_size()
                       for b in self._grad_staging + self._out_staging + self._held_grads + self._held_params
-                      if b is not None)
+                      + [t for terms in self._held_terms for t in terms] if b is not None)
         if staging:
             held["step_buffers"]["cpu"] = held["step_buffers"].get("cpu", 0) + staging
+        for rate in self._rates:  # the lookahead's, beside the parameters
+            place = str(rate.device)
+            held["step_buffers"][place] = held["step_buffers"].get(place, 0) + rate.numel() * rate.element_size()
         return held
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from raydeep.tier.base import UnitRange
+from raydeep.tier.lookahead import Lookahead
 from raydeep.tier.masters import MasterShards, Segment
 
 
@@ -72,6 +73,8 @@ class OffloadActor:
         self.shards: MasterShards | None = None
         self.model_dtype = torch.float32
         self._out: torch.Tensor | None = None
+        self._lookahead: Lookahead | None = None
+        self._terms: torch.Tensor | None = None  # the lookahead's bases and rates, reused
         self._saved: tuple[str, torch.Tensor, dict[str, torch.Tensor]] | None = None  # (key, master, states)
         self._staged: list[tuple] | None = None  # a checkpoint's ranges read by ``stage``, until loaded
 
@@ -85,9 +88,10 @@ class OffloadActor:
         return ray.get_runtime_context().get_node_id()
 
     def step(self, k: int, grads: list[np.ndarray], grad_dtype: str, scale: float,
-             hyper: list[dict]) -> tuple[list[np.ndarray], float]:
-        """Update sub-group ``k``; returns its chunks' parameters in the model dtype and the seconds
-        the CPU step took."""
+             hyper: list[dict], lookahead: bool = False) -> tuple[list[np.ndarray] | tuple, float]:
+        """Update sub-group ``k``; returns its chunks' parameters in the model dtype, or with
+        ``lookahead`` their ``(bases, rates)`` (``raydeep.tier.lookahead``), and the seconds the CPU
+        step took."""
         began = time.perf_counter()
         if k == 0:
             self.shards.peak_grad_bytes = {}
@@ -95,7 +99,30 @@ class OffloadActor:
         dtype = dtype_of(grad_dtype)
         # The gradients are views of the object store's immutable buffers: never scaled in place.
         params = self.shards.step_sub_group(k, [from_wire(a, dtype) for a in grads], scale, writable=False)
+        if lookahead:
+            return self._lookahead_terms(params), time.perf_counter() - began
         return self._parameters(params), time.perf_counter() - began
+
+    def _lookahead_terms(self, params: list[nn.Parameter]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The chunks' lookahead ``base`` and ``rate`` in the model dtype, in two reused buffers
+        (as ``_parameters``)."""
+        if self._lookahead is None:
+            self._lookahead = Lookahead(self.shards.optimizer)
+        size = sum(p.numel() for p in params)
+        if self._terms is None or self._terms.shape[1] < size:
+            self._terms = torch.empty(2, size, dtype=self.model_dtype)
+        bases, rates, offset = [], [], 0
+        for p in params:
+            base, rate = self._terms[0, offset:offset + p.numel()], self._terms[1, offset:offset + p.numel()]
+            self._lookahead.terms(p, base, rate)
+            bases.append(to_wire(base))
+            rates.append(to_wire(rate))
+            offset += p.numel()
+        return bases, rates
+
+    def parameters(self) -> list[np.ndarray]:
+        """Every chunk's parameters in the model dtype (the masters rounded)."""
+        return [to_wire(p.detach().to(self.model_dtype)) for p in self.shards.params]
 
     def _parameters(self, params: list[nn.Parameter]) -> list[np.ndarray]:
         """The chunks' masters in the model dtype, written into one reused buffer (Ray copies a

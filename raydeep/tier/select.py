@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from raydeep.errors import ConfigError
 from raydeep.tier.base import OptimizerTier
 from raydeep.tier.local import HostTier, LocalTier
+from raydeep.tier.lookahead import why_not
 
 logger = logging.getLogger("raydeep")
 
@@ -70,6 +72,7 @@ class OffloadSettings:
     tile: int = 1 << 22
     threads: int | None = None
     delayed: bool = False  # the delayed parameter update will ask for submit/complete
+    lookahead: bool = True  # ... and land it as Adam's predicted next step (raydeep.tier.lookahead)
 
     @classmethod
     def of(cls, zero, options) -> "OffloadSettings":
@@ -78,7 +81,7 @@ class OffloadSettings:
         return cls(zero.stage, zero.sub_group_size, zero.offload_optimizer, options.offload_target,
                    options.offload_resource, options.offload_actors_per_rank, options.offload_actor_cpus,
                    tile=options.offload_tile_size, threads=options.cpu_update_threads,
-                   delayed=options.delayed_update or zenflow)
+                   delayed=options.delayed_update or zenflow, lookahead=options.delayed_update_lookahead)
 
     @property
     def offloading(self) -> bool:
@@ -90,6 +93,14 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
     offload = settings.offload
     if not settings.offloading:
         return LocalTier(units, group_options, make_optimizer, settings.sub_group_size)
+    lookahead = settings.delayed and settings.lookahead
+    if lookahead:
+        kind = make_optimizer([{**o, "params": [nn.Parameter(torch.zeros(1))]} for o in group_options])
+        reason = why_not(kind)
+        if reason is not None:
+            raise ConfigError("raydeep.delayed_update_lookahead", f"the delayed update's lookahead: {reason}", value=True,
+                              fix="set raydeep.delayed_update_lookahead to false (ZeRO-Offload's plain one-step-"
+                                  "delayed rule, which trains worse at Adam-like learning rates) or use Adam/AdamW")
     target = settings.target
     if target != "host":
         nodes = offload_nodes(settings.resource)
@@ -101,7 +112,8 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
         target = "actors" if nodes else "host"
     if target == "host":
         return HostTier(units, group_options, make_optimizer, settings.sub_group_size, pin_memory=offload.pin_memory,
-                        ratio=offload.ratio, tile=settings.tile, threads=settings.threads, delayed=settings.delayed)
+                        ratio=offload.ratio, tile=settings.tile, threads=settings.threads, delayed=settings.delayed,
+                        lookahead=lookahead)
     from raydeep.tier.actors import ActorTier
 
     if offload.ratio < 1.0:
@@ -109,7 +121,7 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
                        "sub-group", offload.ratio)
     return ActorTier(units, group_options, make_optimizer, settings.sub_group_size,
                      offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus,
-                     threads=settings.threads)
+                     threads=settings.threads, lookahead=lookahead)
 
 
 def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:

@@ -273,6 +273,36 @@ def test_a_delayed_update_takes_the_gradients_at_submit_runs_meanwhile_and_lands
         _close(tier)
 
 
+def test_the_lookahead_lands_in_the_actor_tier_as_in_the_host_tier(connected):
+    """The delayed update with the lookahead (``raydeep.tier.lookahead``): each ``submit`` lands
+    the pending update as ``base - rate * gradient`` from the actors' terms, bit for bit as the
+    host tier computes them in-process; ``complete`` lands the masters' own parameters (fetched),
+    those of the same updates without the delay."""
+    from raydeep.tier.local import HostTier
+
+    actor_units, host_units, exact_units = _units(), _units(), _units()
+    tier = ActorTier(actor_units, [{}], ADAMW, 128, PLACEMENT, actors_per_rank=2, cpus_per_actor=0.5, lookahead=True)
+    host = HostTier(host_units, [{}], ADAMW, 128, delayed=True, lookahead=True)
+    exact = HostTier(exact_units, [{}], ADAMW, 128)
+    try:
+        for t in range(1, 4):
+            for each, units in ((tier, actor_units), (host, host_units)):
+                each.submit(_grads(units, t), 0.5)
+            exact.step(_grads(exact_units, t), 0.5)
+            for a, h in zip(actor_units, host_units):
+                assert torch.equal(a.local, h.local), f"after submit {t}"
+        # Landed by prediction: near the masters' parameters of two updates, not equal to them.
+        assert not torch.equal(actor_units[0].local, exact_units[0].local)
+        tier.complete()
+        host.complete()
+        for a, h, e in zip(actor_units, host_units, exact_units):
+            assert torch.equal(a.local, e.local) and torch.equal(h.local, e.local)
+        assert tier.memory()["step_buffers"]["cpu"] == sum(u.local.numel() * 4 for u in actor_units)  # the rates
+    finally:
+        _close(tier)
+        host.close()
+
+
 def test_actors_write_their_snapshot_where_they_see_the_rank_write_and_hand_it_over_where_not(connected, tmp_path):
     """Two snapshots of the same state: one written by the actors (they see the mark of the
     staging location), one handed to this process and written here (a mark they cannot see, as
