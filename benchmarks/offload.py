@@ -12,8 +12,9 @@
    nothing (only the pieces' round trip). Target: <= 1.25x, which shows transfer and compute overlap.
 3. The step time of a GPT (``--model``, gpt-small-cpu by default: there the update is a real share
    of the step) on 2 gloo ranks (ZeRO-2, bf16) with the optimizer states on the rank, in host
-   memory, and in offload actors, each also with the delayed parameter update, interleaved step by
-   step. Targets: host <= 1.05x, actors <= 1.25x, actors with the delayed update <= 1.10x.
+   memory, and in offload actors, each also with the delayed parameter update (with its lookahead,
+   the default; the actors also with ZeRO-Offload's plain rule), interleaved step by step.
+   Targets: host <= 1.05x, actors <= 1.25x, actors with the delayed update <= 1.10x.
 
 Medians over the repetitions; the machine's other load hits every contender alike.
 """
@@ -131,9 +132,11 @@ def actor_pipeline(numel: int, sub_group_size: int, reps: int) -> dict:
 
 
 # --- 3. a GPT on 2 ranks ---------------------------------------------------------------------------------
-# name -> (offload target, delayed update)
-TIERS = {"on the rank": (None, False), "host memory": ("host", False), "offload actors": ("actors", False),
-         "host, delayed": ("host", True), "actors, delayed": ("actors", True)}
+# name -> (offload target, delayed update, its lookahead); the delayed update's default is the
+# lookahead (raydeep.tier.lookahead); the plain rule beside it shows what the lookahead costs.
+TIERS = {"on the rank": (None, False, False), "host memory": ("host", False, False),
+         "offload actors": ("actors", False, False), "host, delayed": ("host", True, True),
+         "actors, delayed": ("actors", True, True), "actors, delayed, plain rule": ("actors", True, False)}
 
 
 def _rank(address: str, steps: int, model: str) -> dict:
@@ -146,7 +149,7 @@ def _rank(address: str, steps: int, model: str) -> dict:
     rank = dist.get_rank()
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     engines = {}
-    for name, (target, delayed) in TIERS.items():
+    for name, (target, delayed, lookahead) in TIERS.items():
         torch.manual_seed(0)
         zero = {"stage": 2, "reduce_bucket_size": 200_000}
         if target:
@@ -154,7 +157,8 @@ def _rank(address: str, steps: int, model: str) -> dict:
         cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
                "raydeep": {"offload_target": target or "auto", "offload_actor_cpus": 0.5,
-                           "delayed_update": delayed, "delayed_update_warmup_steps": 0}}
+                           "delayed_update": delayed, "delayed_update_warmup_steps": 0,
+                           "delayed_update_lookahead": lookahead}}
         engines[name], *_ = raydeep.initialize(model=build_gpt(model, block_size=64), config=cfg)
     g = torch.Generator().manual_seed(rank)
     times = {name: [] for name in TIERS}

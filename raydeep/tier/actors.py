@@ -259,7 +259,9 @@ class ActorTier(OptimizerTier):
                               [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units],
                               [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units] if self.lookahead
                               else [])
-                self._rates = [torch.empty_like(u.local) for u in self.units] if self.lookahead else []
+                # on a device, rate travels there; on the CPU the rank reads the held one
+                self._rates = [torch.empty_like(u.local) if u.local.device.type != "cpu" else None
+                               for u in self.units] if self.lookahead else []
             handle.grads, handle.out = [h.copy_(g) for h, g in zip(self._held[0], grad_shards)], self._held[1]
             handle.rates = self._held[2]
             handle.copying = time.perf_counter() - handle.began
@@ -315,13 +317,19 @@ class ActorTier(OptimizerTier):
             else:
                 handle.driver.result()
                 started = time.perf_counter()
-                for unit, held in zip(self.units, handle.out):
-                    unit.local.copy_(held)
-                if handle.rates and ahead is not None:
-                    for unit, rate, on_device, grad in zip(self.units, handle.rates, self._rates, ahead[0]):
-                        look_ahead(unit.local, on_device.copy_(rate), grad, ahead[1])
+                if handle.rates and ahead is not None:  # handle.out holds the bases
+                    for unit, base, rate, on_device, grad in zip(self.units, handle.out, handle.rates, self._rates,
+                                                                 ahead[0]):
+                        if on_device is None:  # a CPU rank reads the held terms where they are
+                            look_ahead(unit.local, base, rate, grad, ahead[1])
+                        else:
+                            unit.local.copy_(base)
+                            look_ahead(unit.local, unit.local, on_device.copy_(rate), grad, ahead[1])
                 elif handle.rates:  # landed for its own sake (a save, an overflow, the end): no prediction
                     self._take_parameters([self._call(actor.parameters) for actor in self.actors])
+                else:
+                    for unit, held in zip(self.units, handle.out):
+                        unit.local.copy_(held)
                 handle.finished = time.perf_counter()
                 handle.copying += handle.finished - started
         finally:
@@ -462,9 +470,12 @@ class ActorTier(OptimizerTier):
         for node, found in zip(self.node_ids, self._get([a.memory.remote() for a in self.actors])):
             for kind, nbytes in found.items():
                 held[kind][f"actor:{node}"] = held[kind].get(f"actor:{node}", 0) + nbytes
-        for rate in self._rates:  # the lookahead's, beside the parameters
-            place = str(rate.device)
-            held["step_buffers"][place] = held["step_buffers"].get(place, 0) + rate.numel() * rate.element_size()
+        # The background update's host copies (gradients, parameters or bases, rates) and the
+        # lookahead's rates on the device.
+        buffers = [t for ts in (self._held or ()) for t in ts] + [r for r in self._rates if r is not None]
+        for t in buffers:
+            place = str(t.device)
+            held["step_buffers"][place] = held["step_buffers"].get(place, 0) + t.numel() * t.element_size()
         return held
 
     def report(self) -> dict:

@@ -188,23 +188,31 @@ def status() -> str:
 def fused_adam_step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     grad: torch.Tensor, out: torch.Tensor | None, *, scale: float, lr: float, beta1: float,
                     beta2: float, eps: float, weight_decay: float, step: float, decoupled: bool,
-                    maximize: bool = False, threads: int | None = None) -> None:
+                    maximize: bool = False, threads: int | None = None,
+                    lookahead: tuple[torch.Tensor, torch.Tensor, tuple[float, ...]] | None = None) -> None:
     """One Adam (``decoupled=False``) or AdamW step in place, on contiguous CPU tensors: ``master``,
     ``exp_avg``, ``exp_avg_sq`` fp32; ``grad`` bf16, fp16 or fp32, multiplied by ``scale``; ``out``
     (bf16, fp16, fp32 or None) receives the updated master. ``step`` is the step count after its
     increment (torch's ``state["step"]``). ``threads``: how many to use (None: torch's setting).
+    ``lookahead``: ``(base, rate, constants)`` (like ``out``, which it needs;
+    ``raydeep.tier.lookahead.constants``) also receive the delayed update's lookahead terms.
 
     Bitwise what raydeep did in four passes: ``buf = grad.to(fp32); buf.mul_(scale)`` (when scale is
     not 1), torch's fused Adam/AdamW with ``buf`` as the gradient, ``out.copy_(master)``."""
+    base, rate, terms = lookahead if lookahead is not None else (None, None, ())
     if available():
         ops, _ = _load()
         ops.fused_adam_step(master.detach(), exp_avg.detach(), exp_avg_sq.detach(), grad.detach(),
                             None if out is None else out.detach(), float(scale), float(lr), float(beta1),
                             float(beta2), float(eps), float(weight_decay), float(step), bool(decoupled),
-                            bool(maximize), int(threads or 0))
+                            bool(maximize), int(threads or 0), base, rate, [float(c) for c in terms])
         return
     _torch_step(master, exp_avg, exp_avg_sq, grad, out, scale=scale, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                 weight_decay=weight_decay, step=step, decoupled=decoupled, maximize=maximize, threads=threads)
+    if lookahead is not None:
+        from raydeep.tier.lookahead import write_terms
+        write_terms(master.detach().reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), base.reshape(-1),
+                    rate.reshape(-1), terms, decoupled)
 
 
 _local = threading.local()  # the fallback's fp32 gradient buffer, reused: fresh pages cost more than the update
@@ -237,22 +245,29 @@ def _torch_step(master, exp_avg, exp_avg_sq, grad, out, *, scale, lr, beta1, bet
 
 def _self_check(op) -> str:
     """'' when the extension computes torch's bits here, else what differs. Sizes cover every kind
-    of tail (AVX-512: 15 = 8 + 7, 8, 7; AVX2: 7, 0), both modes, both weight-decay paths."""
+    of tail (AVX-512: 15 = 8 + 7, 8, 7; AVX2: 7, 0), both modes, both weight-decay paths, with the
+    delayed update's lookahead terms."""
+    from raydeep.tier.lookahead import constants, write_terms
+
     gen = torch.Generator().manual_seed(0)
     cases = [(95, torch.bfloat16, True, 0.1, 0.37, False), (40, torch.float16, False, 0.1, 0.37, True),
              (7, torch.float32, False, 0.0, 2.0 ** -16, False), (71, torch.float32, True, 0.0, 1.0, False)]
     for n, dtype, decoupled, wd, scale, maximize in cases:
         master = torch.randn(n, generator=gen)
         states = [torch.zeros(n), torch.zeros(n)]
-        mine = [master.clone(), *(s.clone() for s in states), torch.empty(n, dtype=dtype)]
-        ref = [master.clone(), *(s.clone() for s in states), torch.empty(n, dtype=dtype)]
+        mine = [master.clone(), *(s.clone() for s in states), *(torch.empty(n, dtype=dtype) for _ in range(3))]
+        ref = [master.clone(), *(s.clone() for s in states), *(torch.empty(n, dtype=dtype) for _ in range(3))]
         for step in (1, 2):
             grad = (torch.randn(n, generator=gen) * 1e-2).to(dtype)
             hyper = dict(scale=scale, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
                          step=float(step))
-            op(*mine[:3], grad, mine[3], *hyper.values(), decoupled, maximize, 1)
+            terms = constants({"lr": 1e-3, "eps": 1e-8, "weight_decay": wd, "betas": (0.9, 0.999),
+                               "maximize": maximize}, float(step), decoupled)
+            op(*mine[:3], grad, mine[3], *hyper.values(), decoupled, maximize, 1, *mine[4:], list(terms))
             _torch_step(*ref[:3], grad, ref[3], **hyper, decoupled=decoupled, maximize=maximize)
-            for what, a, b in zip(("master", "exp_avg", "exp_avg_sq", "out"), mine, ref):
+            write_terms(*ref[:3], *ref[4:], terms, decoupled)
+            for what, a, b in zip(("master", "exp_avg", "exp_avg_sq", "out", "lookahead base", "lookahead rate"),
+                                  mine, ref):
                 if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                     return (f"its {what} differs from torch's fused {'AdamW' if decoupled else 'Adam'} on this CPU "
                             f"(capability {_capability()}, torch {torch.__version__})")

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from raydeep.tier.base import OptimizerTier, UnitRange
-from raydeep.tier.lookahead import Lookahead, look_ahead
+from raydeep.tier.lookahead import look_ahead, why_not
 from raydeep.tier.masters import ALIGN, MasterShards, plan_sub_groups
 from raydeep.zero.flat import FlatUnit
 
@@ -203,7 +203,8 @@ class HostTier(LocalTier):
         self._held_grads: list[torch.Tensor] = []  # its copy of the gradients
         # With the lookahead (raydeep.tier.lookahead) the update also writes ``base`` and ``rate``;
         # ``rate`` travels to a buffer beside each ``unit.local``.
-        self._lookahead = Lookahead(self.shards.optimizer) if delayed and lookahead else None
+        self.lookahead = delayed and lookahead
+        assert not self.lookahead or why_not(self.shards.optimizer) is None, why_not(self.shards.optimizer)
         self._held_terms: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rates: list[torch.Tensor] = []
         # The compute device: under offload_param ``unit.local`` is in host memory, ``full`` is not.
@@ -275,7 +276,7 @@ class HostTier(LocalTier):
         ``complete``, so the next forward and backward run on the current ones meanwhile. With the
         lookahead, the pending update lands as ``base - rate * gradient`` instead."""
         assert self._worker is not None, "built without delayed=True"
-        if self._lookahead is not None and self._pending is not None:
+        if self.lookahead and self._pending is not None:
             self._land_lookahead(grad_shards, scale)
         else:
             self.complete()
@@ -284,10 +285,11 @@ class HostTier(LocalTier):
                                 for u, g in zip(self.units, grad_shards)]
             self._held_params = [torch.empty(u.local.numel(), dtype=u.local.dtype, pin_memory=self.pin)
                                  for u in self.units]
-            if self._lookahead is not None:
+            if self.lookahead:
                 self._held_terms = [tuple(torch.empty(u.local.numel(), dtype=u.local.dtype, pin_memory=self.pin)
                                           for _ in range(2)) for u in self.units]
-                self._rates = [torch.empty_like(u.local) for u in self.units]
+                # on a device, rate travels there; on the CPU the rank reads the held one
+                self._rates = [torch.empty_like(u.local) if u.local.device.type != "cpu" else None for u in self.units]
         for held, grad in zip(self._held_grads, grad_shards):
             held.copy_(grad)  # synchronous: the gradients are cleared after this step
         self._pending = self._worker.submit(self._update_held, scale, self._frozen_hyperparameters())
@@ -297,13 +299,11 @@ class HostTier(LocalTier):
         self.shards.set_hyperparameters(hyper)
         self.shards.peak_grad_bytes = {}
         for k, sub_group in enumerate(self.sub_groups):
-            params = self.shards.step_sub_group(
+            terms = [tuple(t.narrow(0, c.lo, c.numel) for t in self._held_terms[c.unit])
+                     for c in sub_group] if self.lookahead else None
+            self.shards.step_sub_group(
                 k, [self._held_grads[c.unit].narrow(0, c.lo, c.numel) for c in sub_group], scale, writable=False,
-                outs=[self._held_params[c.unit].narrow(0, c.lo, c.numel) for c in sub_group])
-            if self._lookahead is not None:
-                for param, c in zip(params, sub_group):
-                    base, rate = self._held_terms[c.unit]
-                    self._lookahead.terms(param, base.narrow(0, c.lo, c.numel), rate.narrow(0, c.lo, c.numel))
+                outs=[self._held_params[c.unit].narrow(0, c.lo, c.numel) for c in sub_group], terms=terms)
         self.timings["steps"] += 1
         self.timings["step_s"] += time.perf_counter() - began
 
@@ -323,9 +323,11 @@ class HostTier(LocalTier):
         pending, self._pending = self._pending, None
         pending.result()
         for unit, (base, rate), on_device, grad in zip(self.units, self._held_terms, self._rates, grad_shards):
-            unit.local.copy_(base, non_blocking=base.is_pinned())
-            on_device.copy_(rate, non_blocking=rate.is_pinned())
-            look_ahead(unit.local, on_device, grad, scale)
+            if on_device is None:  # a CPU rank reads the held terms where they are
+                look_ahead(unit.local, base, rate, grad, scale)
+            else:
+                unit.local.copy_(base, non_blocking=base.is_pinned())
+                look_ahead(unit.local, unit.local, on_device.copy_(rate, non_blocking=rate.is_pinned()), grad, scale)
         _sync(self.units)  # the pinned terms are rewritten by the next update
 
     def close(self) -> None:
@@ -451,7 +453,7 @@ class HostTier(LocalTier):
                       + [t for terms in self._held_terms for t in terms] if b is not None)
         if staging:
             held["step_buffers"]["cpu"] = held["step_buffers"].get("cpu", 0) + staging
-        for rate in self._rates:  # the lookahead's, beside the parameters
+        for rate in (r for r in self._rates if r is not None):  # the lookahead's, on the device
             place = str(rate.device)
             held["step_buffers"][place] = held["step_buffers"].get(place, 0) + rate.numel() * rate.element_size()
         return held

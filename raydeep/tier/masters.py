@@ -26,6 +26,7 @@ from torch import nn
 
 from raydeep.tier.base import KERNEL_CHOICES, UnitRange
 from raydeep.tier.pieces import PieceAdam, piecewise_adam
+from raydeep.tier.lookahead import Lookahead
 
 
 # Cuts inside a unit fall on multiples of this many elements: a multiple of every CPU vector width
@@ -121,25 +122,29 @@ class MasterShards:
             for param, c in zip(self.params[first:first + len(sg)], sg):
                 self._buffer_offsets[id(param)] = offset
                 offset += c.numel
+        self._lookahead: Lookahead | None = None  # the delayed update's terms where pieces do not write them
         # Adam/AdamW (torch's fused kernel): updated piece by piece, in one pass on the CPU.
         self.pieces = PieceAdam(self.optimizer, self.params, threads) if piecewise_adam(self.optimizer) else None
 
     # --- the update -------------------------------------------------------------------------------
     def step_sub_group(self, k: int, grads: list[torch.Tensor], scale: float, writable: bool = True,
-                       outs: list[torch.Tensor | None] | None = None) -> list[nn.Parameter]:
+                       outs: list[torch.Tensor | None] | None = None,
+                       terms: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> list[nn.Parameter]:
         """Update sub-group ``k`` from its chunks' gradients (any dtype and device), each
         multiplied by ``scale``, and write each chunk's new values into ``outs[i]`` (the model-dtype
         parameter, or None); returns the chunks' updated masters. With ``writable``, a gradient
         already fp32 and on its master's device may be scaled in place and read where it is (its
         owner discards it after the step: the engine zeroes its gradients); any other, and every
-        one when not ``writable`` (an object store's immutable buffer), is copied first."""
+        one when not ``writable`` (an object store's immutable buffer), is copied first. ``terms``:
+        each chunk's delayed-update lookahead ``(base, rate)`` (``raydeep.tier.lookahead``; Adam and
+        AdamW only), written with ``outs``."""
         first = self._first_chunk[k]
         params = self.params[first:first + len(self.sub_groups[k])]
         outs = outs or [None] * len(params)
         if self.pieces is not None:
             self.begin(k)
             for j, (param, grad, out) in enumerate(zip(params, grads, outs)):
-                self.update_piece(first + j, 0, param.numel(), grad, scale, out)
+                self.update_piece(first + j, 0, param.numel(), grad, scale, out, terms[j] if terms else None)
             return params
         held: dict[str, int] = {}
         for param, grad in zip(params, grads):
@@ -152,6 +157,11 @@ class MasterShards:
             param.grad = None
             if out is not None:
                 out.copy_(param.detach(), non_blocking=param.is_pinned())
+        if terms:
+            if self._lookahead is None:
+                self._lookahead = Lookahead(self.optimizer)
+            for param, (base, rate) in zip(params, terms):
+                self._lookahead.terms(param, base, rate)
         return params
 
     # Piece by piece (Adam/AdamW only, ``self.pieces``): a pipeline's finer tiling of a sub-group.
@@ -161,9 +171,9 @@ class MasterShards:
         self.pieces.begin(list(range(first, first + len(self.sub_groups[k]))))
 
     def update_piece(self, i: int, lo: int, hi: int, grad: torch.Tensor, scale: float,
-                     out: torch.Tensor | None) -> None:
+                     out: torch.Tensor | None, terms: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Elements ``[lo, hi)`` of chunk ``i`` (flat chunk order) after ``begin`` of its sub-group."""
-        nbytes = self.pieces.update(i, lo, hi, grad, scale, out)
+        nbytes = self.pieces.update(i, lo, hi, grad, scale, out, terms)
         if nbytes:
             self._count({str(self.params[i].device): nbytes})
 

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from raydeep.tier.base import UnitRange
-from raydeep.tier.lookahead import Lookahead
 from raydeep.tier.masters import MasterShards, Segment
 
 
@@ -73,8 +72,7 @@ class OffloadActor:
         self.shards: MasterShards | None = None
         self.model_dtype = torch.float32
         self._out: torch.Tensor | None = None
-        self._lookahead: Lookahead | None = None
-        self._terms: torch.Tensor | None = None  # the lookahead's bases and rates, reused
+        self._terms: torch.Tensor | None = None  # with the lookahead: parameters, bases and rates, reused
         self._saved: tuple[str, torch.Tensor, dict[str, torch.Tensor]] | None = None  # (key, master, states)
         self._staged: list[tuple] | None = None  # a checkpoint's ranges read by ``stage``, until loaded
 
@@ -98,27 +96,21 @@ class OffloadActor:
         self.shards.set_hyperparameters(hyper)
         dtype = dtype_of(grad_dtype)
         # The gradients are views of the object store's immutable buffers: never scaled in place.
-        params = self.shards.step_sub_group(k, [from_wire(a, dtype) for a in grads], scale, writable=False)
+        grads = [from_wire(a, dtype) for a in grads]
         if lookahead:
-            return self._lookahead_terms(params), time.perf_counter() - began
+            return self._step_with_terms(k, grads, scale), time.perf_counter() - began
+        params = self.shards.step_sub_group(k, grads, scale, writable=False)
         return self._parameters(params), time.perf_counter() - began
 
-    def _lookahead_terms(self, params: list[nn.Parameter]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The chunks' lookahead ``base`` and ``rate`` in the model dtype, in two reused buffers
-        (as ``_parameters``)."""
-        if self._lookahead is None:
-            self._lookahead = Lookahead(self.shards.optimizer)
-        size = sum(p.numel() for p in params)
-        if self._terms is None or self._terms.shape[1] < size:
-            self._terms = torch.empty(2, size, dtype=self.model_dtype)
-        bases, rates, offset = [], [], 0
-        for p in params:
-            base, rate = self._terms[0, offset:offset + p.numel()], self._terms[1, offset:offset + p.numel()]
-            self._lookahead.terms(p, base, rate)
-            bases.append(to_wire(base))
-            rates.append(to_wire(rate))
-            offset += p.numel()
-        return bases, rates
+    def _step_with_terms(self, k: int, grads: list[torch.Tensor], scale: float) -> tuple[list, list]:
+        """Update sub-group ``k`` writing its chunks' lookahead ``base`` and ``rate`` in the model
+        dtype (in the update's own pass where it is fused), into reused buffers (as ``_parameters``)."""
+        sizes = [c.numel for c in self.sub_groups[k]]
+        if self._terms is None or self._terms.shape[1] < sum(sizes):
+            self._terms = torch.empty(3, sum(sizes), dtype=self.model_dtype)  # parameters, bases, rates
+        rows = [list(torch.split(row[:sum(sizes)], sizes)) for row in self._terms]
+        self.shards.step_sub_group(k, grads, scale, writable=False, outs=rows[0], terms=list(zip(rows[1], rows[2])))
+        return [to_wire(t) for t in rows[1]], [to_wire(t) for t in rows[2]]
 
     def parameters(self) -> list[np.ndarray]:
         """Every chunk's parameters in the model dtype (the masters rounded)."""

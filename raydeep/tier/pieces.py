@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raydeep.tier.lookahead import constants, write_terms
 
 
 def piecewise_adam(optimizer: torch.optim.Optimizer) -> bool:
@@ -54,10 +55,11 @@ class PieceAdam:
             state["step"].add_(1)  # torch: _foreach_add_(steps, 1)
 
     def update(self, i: int, lo: int, hi: int, grad: torch.Tensor, scale: float,
-               out: torch.Tensor | None) -> int:
+               out: torch.Tensor | None, terms: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """Elements ``[lo, hi)`` of chunk ``i`` from ``grad`` (those elements, any float dtype, on
         the master's device) x ``scale``; the new values also go to ``out`` (model dtype) when
-        given. Returns the fp32 gradient bytes this needed beyond its inputs."""
+        given, and the delayed update's lookahead ``(base, rate)`` to ``terms`` (with ``out``).
+        Returns the fp32 gradient bytes this needed beyond its inputs."""
         p, group = self.params[i], self._group[id(self.params[i])]
         state = self.optimizer.state[p]
         master = p.detach().narrow(0, lo, hi - lo)
@@ -66,12 +68,16 @@ class PieceAdam:
         decoupled = type(self.optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
         from raydeep.tier import cpu_update  # here: `python -m raydeep.tier.cpu_update` imports this package
 
-        if master.device.type == "cpu" and cpu_update.available():
+        # the step count is read (a device sync) only where the kernel or the lookahead needs it
+        fused = master.device.type == "cpu" and cpu_update.available()
+        step = int(state["step"].item()) if fused or terms is not None else None
+        lookahead = None if terms is None else (*terms, constants(group, float(step), decoupled))
+        if fused:
             cpu_update.fused_adam_step(master, exp_avg, exp_avg_sq, grad, out, scale=scale, lr=group["lr"],
                                        beta1=beta1, beta2=beta2, eps=group["eps"],
-                                       weight_decay=group["weight_decay"], step=int(state["step"].item()),
+                                       weight_decay=group["weight_decay"], step=step,
                                        decoupled=decoupled, maximize=group.get("maximize", False),
-                                       threads=self.threads)
+                                       threads=self.threads, lookahead=lookahead)
             return 0
         wide = self._widen(grad, scale)
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -80,6 +86,8 @@ class PieceAdam:
                maximize=group.get("maximize", False), grad_scale=None, found_inf=None)
         if out is not None:
             out.copy_(master)
+        if lookahead is not None:
+            write_terms(master, exp_avg, exp_avg_sq, *lookahead, decoupled)
         return 0 if wide is grad else wide.numel() * 4
 
     def _widen(self, grad: torch.Tensor, scale: float) -> torch.Tensor:

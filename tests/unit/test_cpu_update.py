@@ -137,6 +137,38 @@ def test_bitwise_with_another_out_dtype_and_empty(built, grad_dtype, out_dtype):
             assert not pair.differences(), (n, pair.step, pair.differences())
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_lookahead_terms_written_in_the_same_pass_are_torchs_bits(built, out_dtype):
+    """The delayed update's lookahead ``base`` and ``rate`` (raydeep.tier.lookahead), written by
+    the fused pass from the registers it updated, equal the torch path's separate pass over the
+    updated master and moments, bit for bit: every tail, both forms, maximize, two threads."""
+    from raydeep.tier.lookahead import constants, write_terms
+
+    previous = torch.get_num_threads()
+    try:
+        for n, decoupled, wd, maximize, threads in [(1, True, 0.1, False, 1), (7, False, 0.1, False, 1),
+                                                   (63, True, 0.0, True, 1), (1000, False, 0.0, True, 2),
+                                                   (100_003, True, 0.1, False, 2), (100_003, False, 0.1, False, 1)]:
+            torch.set_num_threads(threads)
+            gen = torch.Generator().manual_seed(n)
+            start = torch.randn(n, generator=gen)
+            fused = [start.clone(), torch.zeros(n), torch.zeros(n)] + [torch.empty(n, dtype=out_dtype) for _ in range(3)]
+            ref = [start.clone(), torch.zeros(n), torch.zeros(n)] + [torch.empty(n, dtype=out_dtype) for _ in range(3)]
+            for step in range(1, 4):
+                grad = (torch.randn(n, generator=gen) * 3e-2).to(torch.bfloat16)
+                hyper = dict(scale=0.37, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=wd, step=step,
+                             decoupled=decoupled, maximize=maximize, threads=threads)
+                terms = constants({"lr": LR, "eps": EPS, "weight_decay": wd, "betas": BETAS, "maximize": maximize},
+                                  float(step), decoupled)
+                cpu_update.fused_adam_step(*fused[:3], grad, fused[3], **hyper, lookahead=(*fused[4:], terms))
+                cpu_update._torch_step(*ref[:3], grad, ref[3], **hyper)
+                write_terms(*ref[:3], *ref[4:], terms, decoupled)
+                for what, a, b in zip(("master", "exp_avg", "exp_avg_sq", "out", "base", "rate"), fused, ref):
+                    assert torch.equal(_bits(a), _bits(b)), (what, n, decoupled, wd, maximize, threads, step)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _python(code: str, **env) -> dict:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **env})

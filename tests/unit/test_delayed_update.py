@@ -48,7 +48,9 @@ def _terms(opt: torch.optim.Optimizer, m: torch.Tensor) -> tuple[torch.Tensor, t
     group, state = opt.param_groups[0], opt.state[m]
     lr, (b1, b2), eps, wd, k = group["lr"], group["betas"], group["eps"], group["weight_decay"], float(state["step"])
     bc1 = 1 - b1 ** (k + 1)
-    r = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - b2 ** k)).add_(eps).reciprocal_()
+    # IEEE's fp32 sqrt (through fp64, as the fused update's vector sqrt computes it; torch's own fp32
+    # sqrt on the CPU may differ from it in the last bit)
+    r = state["exp_avg_sq"].double().sqrt().float().div_(math.sqrt(1 - b2 ** k)).add_(eps).reciprocal_()
     rate = r * (lr * (1 - b1) / bc1)
     return m.detach().mul(1 - lr * wd).sub_(r.mul_(state["exp_avg"]).mul_(lr * b1 / bc1)), rate
 
@@ -80,7 +82,7 @@ def _reference(model: nn.Module, lookahead: bool = False) -> list[list[torch.Ten
                         p.copy_(b)
                     else:  # the pending update lands as its terms predict from this step's gradients
                         base, rate = terms[m]
-                        p.copy_(base).sub_(g.clone().mul_(1.0).mul_(rate))
+                        p.copy_(base).addcmul_(g, rate, value=-1.0)
                 terms = {m: _terms(opt, m) for m in masters} if lookahead and t > WARMUP else None
                 sched.step()
         model.zero_grad()

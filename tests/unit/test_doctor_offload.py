@@ -34,6 +34,22 @@ def test_the_delay_hides_the_update_only_behind_enough_compute():
     assert slow_device.hidden_by_delay is True and "would hide it (" in slow_device.describe()
 
 
+def test_the_lookahead_adds_its_terms_to_what_the_delay_must_hide():
+    """With the lookahead (the default) the update writes two terms in its pass and both travel
+    back instead of the parameters; with the plain rule the background work is update + transfer."""
+    shape = ModelShape.from_gpt("gpt2-medium")
+    rates = OffloadRates(1e9, 4, 25e9)
+    ahead = predict_offload(load_config({**CONFIG, "raydeep": {"delayed_update": True}}, world_size=4), shape, 4,
+                            rates)
+    plain = predict_offload(load_config({**CONFIG, "raydeep": {"delayed_update": True,
+                                                                "delayed_update_lookahead": False}}, world_size=4),
+                            shape, 4, rates)
+    assert plain.delayed_busy_s == pytest.approx(plain.update_s + plain.transfer_s)
+    assert ahead.delayed_busy_s == pytest.approx(ahead.update_s * 1.45 + ahead.transfer_s * 1.5)
+    assert ahead.update_s == plain.update_s and ahead.added_s == plain.added_s  # without the delay: the same
+    assert f"at least {ahead.delayed_busy_s * 1e3:.0f} ms" in ahead.describe()
+
+
 def test_no_prediction_without_offload_and_a_real_measurement():
     cfg = load_config({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}, world_size=2)
     assert predict_offload(cfg, ModelShape.from_gpt("gpt-tiny"), 2, OffloadRates(1e9, 1, 1e9)) is None

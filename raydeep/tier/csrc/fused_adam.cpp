@@ -15,6 +15,12 @@
 //                              vector loop's exp_avg_sq
 //   DEFAULT:                   no fma anywhere
 // raydeep/tier/cpu_update.py checks this against torch on the running machine before using it.
+//
+// Optionally, in the same pass, the delayed update's lookahead terms (raydeep/tier/lookahead.py)
+// from the updated master x and moments m, v, each operation rounded once in fp32 (no fma), as
+// that file's torch fallback computes them:
+//   r = 1 / (sqrt(v) / bc2 + eps);  rate = r * c_rate
+//   AdamW: base = x * a - (r * m) * b;   Adam: base = x - (r * (m * b1 + x * a)) * b
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -56,6 +62,12 @@ constexpr int64_t kTailBlock = 0;
 #endif
 
 struct NoOut {};  // out=None
+
+// The lookahead's constants (raydeep/tier/lookahead.py computes them); `on`: write base and rate.
+struct Terms {
+  bool on, decoupled, same_denom;
+  float bc2, eps, rate, a, b, b1;
+};
 
 struct Hyper {
   bool use_scale, maximize, has_wd, decoupled, lerp_small;
@@ -138,8 +150,19 @@ inline void scalar_update(float& p, float& m, float& v, float g, const Hyper& h,
   p = p - (h.step_size * m) / denom;
 }
 
+// `denom`: the update's own sqrt(v) / bc2 + eps where its constants are the terms' (t.same_denom).
+inline void lookahead_terms(const fVec& x, const fVec& m, const fVec& v, const fVec* denom, const Terms& t,
+                            fVec& base, fVec& rate) {
+  const fVec r = fVec(1.0f) / (denom ? *denom : v.sqrt() / fVec(t.bc2) + fVec(t.eps));
+  rate = r * fVec(t.rate);
+  if (t.decoupled) base = x * fVec(t.a) - (r * m) * fVec(t.b);
+  else base = x - (r * (m * fVec(t.b1) + x * fVec(t.a))) * fVec(t.b);
+}
+
+// Base and Rate: the lookahead's outputs (model dtype, as Out), written when t.on (Out given).
 template <typename G, typename O>
-void update_range(float* P, float* M, float* V, const G* Gr, O* Out, int64_t size, const Hyper& h) {
+void update_range(float* P, float* M, float* V, const G* Gr, O* Out, O* Base, O* Rate, int64_t size,
+                  const Hyper& h, const Terms& t) {
   int64_t d = 0;
   const fVec scale(h.scale), minus_one(-1.0f), wd(h.wd), decay(h.decay), coeff(h.coeff), c2(h.c2),
       b2(h.b2), bc2_sqrt(h.bc2_sqrt), eps(h.eps), neg_step_size(h.neg_step_size);
@@ -161,7 +184,15 @@ void update_range(float* P, float* M, float* V, const G* Gr, O* Out, int64_t siz
     const fVec denom = v.sqrt() / bc2_sqrt + eps;
     p = p + neg_step_size * m / denom;
     p.store(P + d);
-    if constexpr (!std::is_same_v<O, NoOut>) store_f(Out + d, p);
+    if constexpr (!std::is_same_v<O, NoOut>) {
+      store_f(Out + d, p);
+      if (t.on) {
+        fVec base, rate;
+        lookahead_terms(p, m, v, t.same_denom ? &denom : nullptr, t, base, rate);
+        store_f(Base + d, base);
+        store_f(Rate + d, rate);
+      }
+    }
   }
   const int64_t rest = size - d;
   if (rest == 0) return;
@@ -171,12 +202,26 @@ void update_range(float* P, float* M, float* V, const G* Gr, O* Out, int64_t siz
   for (int64_t i = 0; i < rest; i++) {
     scalar_update(P[d + i], M[d + i], V[d + i], g[i], h, i < vector_like);
   }
-  if constexpr (!std::is_same_v<O, NoOut>) store_partial(Out + d, P + d, rest);
+  if constexpr (!std::is_same_v<O, NoOut>) {
+    store_partial(Out + d, P + d, rest);
+    if (t.on) {  // through padded vectors: the vector loop's operations (each one IEEE rounding)
+      alignas(64) float p[kW] = {}, m[kW] = {}, v[kW] = {}, base[kW], rate[kW];
+      std::memcpy(p, P + d, rest * sizeof(float));
+      std::memcpy(m, M + d, rest * sizeof(float));
+      std::memcpy(v, V + d, rest * sizeof(float));
+      fVec vb, vr;
+      lookahead_terms(fVec::loadu(p), fVec::loadu(m), fVec::loadu(v), nullptr, t, vb, vr);
+      vb.store(base);
+      vr.store(rate);
+      store_partial(Base + d, base, rest);
+      store_partial(Rate + d, rate, rest);
+    }
+  }
 }
 
 template <typename G, typename O>
 void run(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-         const at::Tensor& grad, O* out, const Hyper& h) {
+         const at::Tensor& grad, O* out, O* base, O* rate, const Hyper& h, const Terms& t) {
   float* P = master.data_ptr<float>();
   float* M = exp_avg.data_ptr<float>();
   float* V = exp_avg_sq.data_ptr<float>();
@@ -188,21 +233,33 @@ void run(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& 
   at::parallel_for(0, units, 0, [&](int64_t begin, int64_t end) {
     begin *= unit;
     end = std::min(end * unit, n);
-    O* o = nullptr;
-    if constexpr (!std::is_same_v<O, NoOut>) o = out + begin;
-    update_range<G, O>(P + begin, M + begin, V + begin, Gr + begin, o, end - begin, h);
+    O *o = nullptr, *b = nullptr, *r = nullptr;
+    if constexpr (!std::is_same_v<O, NoOut>) {
+      o = out + begin;
+      if (t.on) b = base + begin, r = rate + begin;
+    }
+    update_range<G, O>(P + begin, M + begin, V + begin, Gr + begin, o, b, r, end - begin, h, t);
   });
+}
+
+template <typename G, typename O>
+void run_typed(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+               const at::Tensor& grad, const at::Tensor& out, const std::optional<at::Tensor>& base,
+               const std::optional<at::Tensor>& rate, const Hyper& h, const Terms& t) {
+  O* b = t.on ? base->data_ptr<O>() : nullptr;
+  O* r = t.on ? rate->data_ptr<O>() : nullptr;
+  run<G, O>(master, exp_avg, exp_avg_sq, grad, out.data_ptr<O>(), b, r, h, t);
 }
 
 template <typename G>
 void run_out(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-             const at::Tensor& grad, const std::optional<at::Tensor>& out, const Hyper& h) {
-  if (!out.has_value()) return run<G, NoOut>(master, exp_avg, exp_avg_sq, grad, nullptr, h);
+             const at::Tensor& grad, const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& base,
+             const std::optional<at::Tensor>& rate, const Hyper& h, const Terms& t) {
+  if (!out.has_value()) return run<G, NoOut>(master, exp_avg, exp_avg_sq, grad, nullptr, nullptr, nullptr, h, t);
   switch (out->scalar_type()) {
-    case at::kFloat: return run<G, float>(master, exp_avg, exp_avg_sq, grad, out->data_ptr<float>(), h);
-    case at::kBFloat16:
-      return run<G, c10::BFloat16>(master, exp_avg, exp_avg_sq, grad, out->data_ptr<c10::BFloat16>(), h);
-    case at::kHalf: return run<G, c10::Half>(master, exp_avg, exp_avg_sq, grad, out->data_ptr<c10::Half>(), h);
+    case at::kFloat: return run_typed<G, float>(master, exp_avg, exp_avg_sq, grad, *out, base, rate, h, t);
+    case at::kBFloat16: return run_typed<G, c10::BFloat16>(master, exp_avg, exp_avg_sq, grad, *out, base, rate, h, t);
+    case at::kHalf: return run_typed<G, c10::Half>(master, exp_avg, exp_avg_sq, grad, *out, base, rate, h, t);
     default: TORCH_CHECK(false, "fused_adam_step: out must be float32, bfloat16 or float16");
   }
 }
@@ -210,7 +267,8 @@ void run_out(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tens
 void fused_adam_step(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                      const at::Tensor& grad, const std::optional<at::Tensor>& out, double scale, double lr,
                      double beta1, double beta2, double eps, double weight_decay, double step,
-                     bool decoupled, bool maximize, int64_t threads) {
+                     bool decoupled, bool maximize, int64_t threads, const std::optional<at::Tensor>& base,
+                     const std::optional<at::Tensor>& rate, at::ArrayRef<double> terms) {
   const int64_t n = master.numel();
   for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
@@ -222,6 +280,21 @@ void fused_adam_step(const at::Tensor& master, const at::Tensor& exp_avg, const 
   if (out.has_value()) {
     TORCH_CHECK(out->device().is_cpu() && out->is_contiguous() && out->numel() == n,
                 "fused_adam_step: out must be a contiguous CPU tensor of the master's size");
+  }
+  Terms t{};
+  t.on = base.has_value();
+  TORCH_CHECK(base.has_value() == rate.has_value(), "fused_adam_step: base and rate come together");
+  if (t.on) {
+    TORCH_CHECK(out.has_value(), "fused_adam_step: the lookahead's base and rate need out");
+    for (const at::Tensor* x : {&*base, &*rate}) {
+      TORCH_CHECK(x->device().is_cpu() && x->is_contiguous() && x->numel() == n &&
+                      x->scalar_type() == out->scalar_type(),
+                  "fused_adam_step: base and rate must be contiguous CPU tensors like out");
+    }
+    TORCH_CHECK(terms.size() == 6, "fused_adam_step: terms are (bc2, eps, rate, a, b, b1)");
+    t.decoupled = decoupled;
+    t.bc2 = float(terms[0]), t.eps = float(terms[1]), t.rate = float(terms[2]);
+    t.a = float(terms[3]), t.b = float(terms[4]), t.b1 = float(terms[5]);
   }
   // As torch's kernel: bias corrections and coefficients in double, each rounded to float once.
   const double bias_correction1 = 1 - std::pow(beta1, step);
@@ -245,6 +318,7 @@ void fused_adam_step(const at::Tensor& master, const at::Tensor& exp_avg, const 
   h.eps = float(eps);
   h.step_size = float(step_size);
   h.neg_step_size = float(-step_size);
+  t.same_denom = t.on && t.bc2 == h.bc2_sqrt && t.eps == h.eps;  // then the same bits: reuse the update's
 #if AT_PARALLEL_OPENMP
   // omp_set_num_threads sets this thread's own setting, which at::parallel_for reads: restored below.
   // Torch's per-thread initialisation first, or at::parallel_for's would undo the setting here.
@@ -254,9 +328,9 @@ void fused_adam_step(const at::Tensor& master, const at::Tensor& exp_avg, const 
 #endif
   try {
     switch (grad.scalar_type()) {
-      case at::kFloat: run_out<float>(master, exp_avg, exp_avg_sq, grad, out, h); break;
-      case at::kBFloat16: run_out<c10::BFloat16>(master, exp_avg, exp_avg_sq, grad, out, h); break;
-      case at::kHalf: run_out<c10::Half>(master, exp_avg, exp_avg_sq, grad, out, h); break;
+      case at::kFloat: run_out<float>(master, exp_avg, exp_avg_sq, grad, out, base, rate, h, t); break;
+      case at::kBFloat16: run_out<c10::BFloat16>(master, exp_avg, exp_avg_sq, grad, out, base, rate, h, t); break;
+      case at::kHalf: run_out<c10::Half>(master, exp_avg, exp_avg_sq, grad, out, base, rate, h, t); break;
       default: TORCH_CHECK(false, "fused_adam_step: grad must be float32, bfloat16 or float16");
     }
   } catch (...) {
@@ -275,7 +349,8 @@ void fused_adam_step(const at::Tensor& master, const at::Tensor& exp_avg, const 
 RAYDEEP_LIBRARY(RAYDEEP_OPS_NS, m) {
   m.def("fused_adam_step(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
         "Tensor(d!)? out, float scale, float lr, float beta1, float beta2, float eps, float weight_decay, "
-        "float step, bool decoupled, bool maximize, int threads) -> ()");
+        "float step, bool decoupled, bool maximize, int threads, Tensor(e!)? base, Tensor(f!)? rate, "
+        "float[] terms) -> ()");
 }
 
 RAYDEEP_LIBRARY_IMPL(RAYDEEP_OPS_NS, CPU, m) {
