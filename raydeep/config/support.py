@@ -72,7 +72,9 @@ HIERARCHY = "raydeep/zero/hierarchy.py"  # ZeRO++
 SCALER, BATCH, STAGE3 = "raydeep/precision/loss_scaler.py", "raydeep/config/batch.py", "raydeep/zero/stage3.py"
 
 _ZENFLOW_TOPK = ("raydeep does not split gradients by importance (ZenFlow's top-k columns): every gradient goes "
-                 "through the offloaded update, delayed one step with zenflow.overlap_step")
+                 "through the offloaded update, delayed one step with zenflow.overlap_step, and the forward reads "
+                 "Adam's next step predicted with the new gradient (raydeep.delayed_update_lookahead), which "
+                 "closes the delay's loss gap that the top-k split narrows")
 _NVME = "it configures NVMe offload, which raydeep does not support (CPU offload does not read it)"
 TIERS = "raydeep/tier/select.py"
 WATCHDOG, WORKER, RAY_TRAINER = "raydeep/ray/watchdog.py", "raydeep/ray/worker.py", "raydeep/ray/trainer.py"

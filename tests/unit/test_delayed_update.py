@@ -107,18 +107,10 @@ def _train(config: dict) -> tuple[list[list[torch.Tensor]], object]:
     return after, engine
 
 
-def test_the_delayed_update_follows_the_one_step_delayed_rule_bitwise():
-    expected = _reference(_model())
-    got, engine = _train(_config(lookahead=False))
-    assert engine.skipped_steps == 1
-    for t, (a, b) in enumerate(zip(got, expected), start=1):
-        assert all(torch.equal(p, q) for p, q in zip(a, b)), f"after step {t}"
-    engine.destroy()
-
-
-def test_the_lookahead_follows_its_rule_bitwise():
-    expected = _reference(_model(), lookahead=True)
-    got, engine = _train(_config(lookahead=True))
+@pytest.mark.parametrize("lookahead", [False, True], ids=["the plain one-step-delayed rule", "the lookahead"])
+def test_the_delayed_update_follows_its_rule_bitwise(lookahead):
+    expected = _reference(_model(), lookahead=lookahead)
+    got, engine = _train(_config(lookahead=lookahead))
     assert engine.skipped_steps == 1
     for t, (a, b) in enumerate(zip(got, expected), start=1):
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"after step {t}"
