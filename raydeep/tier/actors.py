@@ -142,6 +142,7 @@ class StepHandle:
     out: list[torch.Tensor] = field(default_factory=list)  # where results go: each ``unit.local``, or held
     rates: list[torch.Tensor] = field(default_factory=list)  # with the lookahead: where its rates go (held)
     driver: Future | None = None  # the thread running ``_drive``, in the background
+    held_back: bool = False  # submitted, nothing sent yet: ``release`` sends
     copying: float = 0.0  # seconds this process spent copying gradients and parameters and sending
     computing: dict[int, float] = field(default_factory=dict)  # CPU-step seconds per actor
     finished: float = 0.0  # when the last result was taken
@@ -243,12 +244,14 @@ class ActorTier(OptimizerTier):
     def step(self, grad_shards: list[torch.Tensor], scale: float) -> None:
         self._collect(self._submit(grad_shards, scale))
 
-    def _submit(self, grad_shards: list[torch.Tensor], scale: float, background: bool = False) -> StepHandle:
+    def _submit(self, grad_shards: list[torch.Tensor], scale: float, background: bool = False,
+                hold: bool = False) -> StepHandle:
         """Start an update: capture ``scale`` and the hyperparameters, send the first
         ``in_flight_limit`` pieces. ``grad_shards`` must not change until ``_collect`` returns
         (it sends the rest), unless ``background``: then they are copied here first, a driver
         thread sends the rest and takes the results into held buffers, and ``_collect`` waits
-        for it and copies them into ``unit.local``."""
+        for it and copies them into ``unit.local``. With ``hold`` (background only) nothing is sent
+        until ``release``."""
         assert self._pending is None, "the previous update was not collected"
         grad_dtype = str(grad_shards[0].dtype).removeprefix("torch.") if grad_shards else "float32"
         handle = StepHandle(list(grad_shards), scale, self._hyper(), grad_dtype, time.perf_counter())
@@ -266,6 +269,12 @@ class ActorTier(OptimizerTier):
             handle.rates = self._held[2]
             handle.copying = time.perf_counter() - handle.began
         self._pending = handle
+        handle.held_back = hold
+        if not hold:
+            self._start(handle, background)
+        return handle
+
+    def _start(self, handle: StepHandle, background: bool) -> None:
         try:
             self._send(handle)
         except BaseException:
@@ -275,7 +284,12 @@ class ActorTier(OptimizerTier):
             if self._driver is None:
                 self._driver = ThreadPoolExecutor(1, thread_name_prefix="raydeep-offload")
             handle.driver = self._driver.submit(self._drive, handle)
-        return handle
+
+    def release(self) -> None:
+        handle = self._pending
+        if handle is not None and handle.held_back:
+            handle.held_back = False
+            self._start(handle, background=True)
 
     def _send(self, handle: StepHandle) -> None:
         """Send pieces until ``in_flight_limit`` are in flight or none is left."""
@@ -311,6 +325,7 @@ class ActorTier(OptimizerTier):
         update with the lookahead lands as ``base - rate * gradient`` from ``ahead`` (this step's
         gradient shards and scale), or, without them, as the masters' parameters, fetched."""
         assert handle is self._pending, "not the update in flight"
+        self.release()
         try:
             if handle.driver is None:
                 self._drive(handle)
@@ -348,10 +363,11 @@ class ActorTier(OptimizerTier):
 
     def submit(self, grad_shards: list[torch.Tensor], scale: float) -> None:
         """Land the pending update (with the lookahead: as this step's gradients predict), then
-        start this one in the background (the gradients are copied: the engine clears them next)."""
+        take this one (the gradients are copied: the engine clears them next); it starts in the
+        background at ``release``."""
         if self._pending is not None:
             self._collect(self._pending, ahead=(grad_shards, scale))
-        self._submit(grad_shards, scale, background=True)
+        self._submit(grad_shards, scale, background=True, hold=True)
 
     def complete(self) -> None:
         if self._pending is not None:

@@ -108,6 +108,12 @@ class OptimizerTier(ABC):
         run an update in the background steps at once."""
         self.step(grad_shards, scale)
 
+    def release(self) -> None:
+        """The parameters ``submit`` landed are published: start the submitted update's work. A
+        tier whose update shares the rank's CPUs holds it until then, so that the parameters'
+        all-gather, a chain of waits on every rank, does not wait on cores the update took.
+        ``complete`` releases a held update itself."""
+
     def complete(self) -> None:
         """Wait for a submitted update and write its parameters into ``unit.local``."""
 

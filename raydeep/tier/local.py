@@ -199,6 +199,7 @@ class HostTier(LocalTier):
             if delayed else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="raydeep-update") if delayed else None
         self._pending: Future | None = None
+        self._held_back: tuple | None = None  # a submitted update's (scale, hyperparameters) until release()
         self._held_params: list[torch.Tensor] = []  # the delayed update's new parameters, until complete()
         self._held_grads: list[torch.Tensor] = []  # its copy of the gradients
         # With the lookahead (raydeep.tier.lookahead) the update also writes ``base`` and ``rate``;
@@ -268,15 +269,16 @@ class HostTier(LocalTier):
     # --- the delayed parameter update (raydeep.delayed_update) -----------------------------------------
     @property
     def pending(self) -> bool:
-        return self._pending is not None
+        return self._pending is not None or self._held_back is not None
 
     def submit(self, grad_shards, scale) -> None:
-        """Start this step's update and return: the gradients are copied (the engine clears them
-        next) and the hyperparameters frozen; the new parameters reach ``unit.local`` only at
-        ``complete``, so the next forward and backward run on the current ones meanwhile. With the
-        lookahead, the pending update lands as ``base - rate * gradient`` instead."""
+        """Land the pending update, and take this step's: the gradients are copied (the engine
+        clears them next) and the hyperparameters frozen; it starts at ``release`` (after the
+        all-gather) and its parameters reach ``unit.local`` only at the next ``submit`` or
+        ``complete``, so the next forward and backward run on the current ones meanwhile. With
+        the lookahead, the pending update lands as ``base - rate * gradient`` instead."""
         assert self._worker is not None, "built without delayed=True"
-        if self.lookahead and self._pending is not None:
+        if self.lookahead and self.pending:
             self._land_lookahead(grad_shards, scale)
         else:
             self.complete()
@@ -292,7 +294,12 @@ class HostTier(LocalTier):
                 self._rates = [torch.empty_like(u.local) if u.local.device.type != "cpu" else None for u in self.units]
         for held, grad in zip(self._held_grads, grad_shards):
             held.copy_(grad)  # synchronous: the gradients are cleared after this step
-        self._pending = self._worker.submit(self._update_held, scale, self._frozen_hyperparameters())
+        self._held_back = (scale, self._frozen_hyperparameters())
+
+    def release(self) -> None:
+        if self._held_back is not None:
+            (scale, hyper), self._held_back = self._held_back, None
+            self._pending = self._worker.submit(self._update_held, scale, hyper)
 
     def _update_held(self, scale: float, hyper: list[dict]) -> None:
         began = time.perf_counter()
@@ -309,6 +316,7 @@ class HostTier(LocalTier):
 
     def complete(self) -> None:
         """Wait for the submitted update, if any, and write its parameters into ``unit.local``."""
+        self.release()
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -320,6 +328,7 @@ class HostTier(LocalTier):
     def _land_lookahead(self, grad_shards, scale) -> None:
         """Wait for the submitted update and set each ``unit.local`` to its ``base - rate *
         gradient`` (``raydeep.tier.lookahead``) from this step's gradients."""
+        self.release()
         pending, self._pending = self._pending, None
         pending.result()
         for unit, (base, rate), on_device, grad in zip(self.units, self._held_terms, self._rates, grad_shards):

@@ -256,13 +256,15 @@ def test_a_delayed_update_takes_the_gradients_at_submit_runs_meanwhile_and_lands
         tier.submit(first, 0.5)
         assert tier.pending
         handle = tier._pending
+        assert handle.driver is None and handle.next == 0  # held until the engine has published
         for g in first:
             g.zero_()  # the engine clears the gradients right after
+        tier.release()
         tier.param_groups[0]["lr"] = 1e-3  # the scheduler's next value: for the next update
         handle.driver.result(timeout=120)  # every piece runs without waiting for complete() ...
         assert handle.next == len(tier.sub_groups) and not handle.in_flight
         assert all(torch.equal(u.local, b) for u, b in zip(units, before))  # ... and lands only there
-        tier.submit(second, 0.25)  # lands the first, starts the second
+        tier.submit(second, 0.25)  # lands the first, takes the second
         for unit, want in zip(units, expected):
             assert torch.equal(unit.local, want)
         assert tier.pending
