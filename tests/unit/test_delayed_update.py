@@ -179,6 +179,27 @@ def test_the_lookahead_needs_adam():
     engine.destroy()
 
 
+def test_the_update_starts_after_the_parameters_are_published():
+    """The parameters' all-gather is a chain of waits on every rank: the submitted update is held
+    until it is done (``release``), so that it does not take the cores the all-gather needs."""
+    engine, *_ = raydeep.initialize(model=_model(), config=_config())
+    tier, publish, seen = engine.tier, engine.strategy.publish, []
+
+    def recording_publish():
+        seen.append((tier._held_back is not None, tier._pending is None))  # held, nothing running
+        publish()
+
+    engine.strategy.publish = recording_publish
+    for t in range(1, STEPS + 1):
+        x, y = _batch(t)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        if seen[-1] == (True, True):
+            assert tier._held_back is None and tier._pending is not None  # released after publishing
+    assert seen.count((True, True)) >= STEPS - WARMUP - 2  # every delayed step but an overflowed one
+    engine.destroy()
+
+
 def test_without_the_delay_the_parameters_differ():
     """The reference can tell: the ordinary update does not follow it."""
     expected = _reference(_model())
