@@ -237,11 +237,10 @@ class Engine(DeepSpeedAccessors, nn.Module):
             # this one runs while the next forward and backward do, with everything it decides
             # (skip, clip, learning rate) fixed here.
             self.tier.submit(self.strategy.grad_shards(), 1.0 / combined)
-            self.strategy.publish()
-            self.tier.release()  # the update's CPU work starts once the all-gather is done
         else:
             self.tier.step(self.strategy.grad_shards(), 1.0 / combined)
-            self.strategy.publish()
+        self.strategy.publish()
+        self.tier.release()  # a submitted update's CPU work starts once the all-gather is done
         return False, None if total_norm is None else total_norm / scale
 
     def complete_update(self) -> None:

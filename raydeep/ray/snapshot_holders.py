@@ -4,7 +4,7 @@ Left to itself a rank creates its offload actors (:mod:`raydeep.tier.actors`) an
 it, so a memory snapshot has to carry their masters and optimizer states, 12 bytes per element
 for AdamW, to the driver's :class:`~raydeep.ray.memory_snapshots.SnapshotStore`. In a Ray Train
 run the store creates them instead (:class:`StoreOwner`, which ``ActorTier`` uses while a worker
-trains under :func:`raydeep.tier.actors.actors_owned_by`) and keeps their handles:
+trains under :func:`raydeep.tier.actor_faults.actors_owned_by`) and keeps their handles:
 
 - a rank that dies leaves its actors alive on their CPU nodes;
 - each actor keeps the part files it writes into a snapshot as objects it owns in its node's
@@ -48,7 +48,7 @@ def hold(chunks: list[bytes]) -> tuple:
 
 def read_held(path: str, name: str, content: list) -> bytes:
     """File ``path``'s bytes, from the object its holder (offload actor ``name``) owns."""
-    from raydeep.tier.actors import lost_errors
+    from raydeep.tier.actor_faults import lost_errors
 
     try:
         return ray.get(content[0])
@@ -90,7 +90,7 @@ class StoreOwner:
         self.store, self.attempt, self.rank, self.world_size = store, attempt, rank, world_size
 
     def create(self, options: list[dict], args: list[tuple]) -> list:
-        from raydeep.tier.actors import lost_errors
+        from raydeep.tier.actor_faults import lost_errors
 
         actors, adopted = ray.get(self.store.create_offload_actors.remote(self.attempt, self.rank, self.world_size,
                                                                           options, args))

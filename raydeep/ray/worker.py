@@ -50,7 +50,7 @@ from raydeep.ray.gauges import StepGauges
 from raydeep.ray.loop import run_training
 from raydeep.ray.snapshot_holders import StoreOwner
 from raydeep.ray.watchdog import HangReporter, StepWatchdog
-from raydeep.tier.actors import actors_owned_by
+from raydeep.tier.actor_faults import actors_owned_by
 
 logger = logging.getLogger("raydeep")
 

@@ -45,13 +45,7 @@ object store, the memory snapshots) are the same the other way: each actor reads
 own chunks' ranges and stages them; the rank's ``load_state_dict`` then has them load what they
 staged, and receives only the parameters in the model dtype.
 
-Fault model: Ray Train restarts the whole worker group. The actors have ``max_restarts=0``: a
-dead actor or a lost object fails the attempt (``OffloadActorLost``, retried), whose next attempt
-loads its actors from the newest snapshot or checkpoint. Left to itself the tier creates its
-actors, so they die with the rank; under ``actors_owned_by`` (a Ray Train run keeping memory
-snapshots) the run's snapshot store creates them, they outlive the rank, keep their part of each
-memory snapshot, and the next attempt's ranks adopt them (``raydeep.ray.snapshot_holders``). No
-placement group is created, so none can leak.
+Fault model and ownership: ``raydeep.tier.actor_faults``.
 """
 from __future__ import annotations
 
@@ -60,15 +54,15 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from raydeep.errors import LostResource
+from raydeep.tier import actor_faults
+from raydeep.tier.actor_faults import OffloadActorLost, actors_owned_by, fetch, lost_errors
 from raydeep.tier.base import OptimizerTier, UnitRange
-from raydeep.tier.lookahead import look_ahead
+from raydeep.tier.lookahead import look_ahead, rate_buffers
 from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
 from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
@@ -80,53 +74,6 @@ __all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "S
 # An offload actor takes this much of the marking resource: the resource marks nodes, the CPUs
 # an actor asks for (``offload_actor_cpus``) are what limit how many fit on one.
 RESOURCE_SHARE = 0.001
-
-_owner = None  # who creates this process's offload actors (``actors_owned_by``); None: the tier itself
-
-
-@contextmanager
-def actors_owned_by(owner):
-    """Offload actors created meanwhile in this process are created by ``owner``
-    (``owner.create(options, args) -> handles``: Ray actor options and constructor arguments, one
-    per actor), which outlives the process, instead of by the tier, which dies with it. A
-    process-wide setting because the engine builds its tier from a ds_config, which carries no
-    Ray handle. Used by Ray Train workers (``raydeep.ray.snapshot_holders``)."""
-    global _owner
-    previous, _owner = _owner, owner
-    try:
-        yield
-    finally:
-        _owner = previous
-
-
-class OffloadActorLost(LostResource):
-    """An offload actor died (its node was lost or it was killed), or an object on the way to or
-    from one was lost. Retryable: Ray Train restarts the worker group, whose next attempt
-    recreates the actors from the last checkpoint."""
-
-
-def lost_errors() -> tuple[type, ...]:
-    """Ray 2.60's errors for a lost actor, object, worker or node: ``RayActorError``
-    (``ActorDiedError``, ``ActorUnavailableError``), ``ObjectLostError`` (``OwnerDiedError``,
-    ``ObjectReconstructionFailedError``, ``ObjectFetchTimedOutError``, ``ObjectFreedError``),
-    ``NodeDiedError``, ``WorkerCrashedError``, ``LocalRayletDiedError``. Not ``RayTaskError``: an
-    exception raised by the actor's own code is a bug, not a loss."""
-    from ray import exceptions as e
-
-    return (e.RayActorError, e.ObjectLostError, e.NodeDiedError, e.WorkerCrashedError, e.LocalRayletDiedError)
-
-
-def fetch(refs):
-    """``ray.get``, with every loss (``lost_errors``) raised as ``OffloadActorLost``."""
-    import ray
-
-    try:
-        return ray.get(refs)
-    except lost_errors() as err:
-        raise OffloadActorLost(f"an offload actor of this rank or an object it needed was lost "
-                               f"({type(err).__name__}); the attempt fails and restarts from the last checkpoint") \
-            from err
-
 
 @dataclass
 class StepHandle:
@@ -184,8 +131,9 @@ class ActorTier(OptimizerTier):
                         num_cpus=cpus_per_actor, **placement) for a in range(count)]
         args = [(self._mine(a), group_options, make_optimizer, threads or int(max(1, cpus_per_actor)))
                 for a in range(count)]
-        if _owner is not None:
-            self.actors = _owner.create(options, args)
+        owner = actor_faults.owner()
+        if owner is not None:
+            self.actors = owner.create(options, args)
         else:
             remote = ray.remote(OffloadActor)
             self.actors = [remote.options(**o).remote(*a) for o, a in zip(options, args)]
@@ -262,9 +210,7 @@ class ActorTier(OptimizerTier):
                               [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units],
                               [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units] if self.lookahead
                               else [])
-                # on a device, rate travels there; on the CPU the rank reads the held one
-                self._rates = [torch.empty_like(u.local) if u.local.device.type != "cpu" else None
-                               for u in self.units] if self.lookahead else []
+                self._rates = rate_buffers([u.local for u in self.units]) if self.lookahead else []
             handle.grads, handle.out = [h.copy_(g) for h, g in zip(self._held[0], grad_shards)], self._held[1]
             handle.rates = self._held[2]
             handle.copying = time.perf_counter() - handle.began
@@ -335,11 +281,7 @@ class ActorTier(OptimizerTier):
                 if handle.rates and ahead is not None:  # handle.out holds the bases
                     for unit, base, rate, on_device, grad in zip(self.units, handle.out, handle.rates, self._rates,
                                                                  ahead[0]):
-                        if on_device is None:  # a CPU rank reads the held terms where they are
-                            look_ahead(unit.local, base, rate, grad, ahead[1])
-                        else:
-                            unit.local.copy_(base)
-                            look_ahead(unit.local, unit.local, on_device.copy_(rate), grad, ahead[1])
+                        look_ahead(unit.local, base, rate, on_device, grad, ahead[1])
                 elif handle.rates:  # landed for its own sake (a save, an overflow, the end): no prediction
                     self._take_parameters([self._call(actor.parameters) for actor in self.actors])
                 else:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from raydeep.tier.base import OptimizerTier, UnitRange
-from raydeep.tier.lookahead import look_ahead, why_not
+from raydeep.tier.lookahead import look_ahead, rate_buffers, why_not
 from raydeep.tier.masters import ALIGN, MasterShards, plan_sub_groups
 from raydeep.zero.flat import FlatUnit
 
@@ -290,8 +290,7 @@ class HostTier(LocalTier):
             if self.lookahead:
                 self._held_terms = [tuple(torch.empty(u.local.numel(), dtype=u.local.dtype, pin_memory=self.pin)
                                           for _ in range(2)) for u in self.units]
-                # on a device, rate travels there; on the CPU the rank reads the held one
-                self._rates = [torch.empty_like(u.local) if u.local.device.type != "cpu" else None for u in self.units]
+                self._rates = rate_buffers([u.local for u in self.units])
         for held, grad in zip(self._held_grads, grad_shards):
             held.copy_(grad)  # synchronous: the gradients are cleared after this step
         self._held_back = (scale, self._frozen_hyperparameters())
@@ -332,11 +331,7 @@ class HostTier(LocalTier):
         pending, self._pending = self._pending, None
         pending.result()
         for unit, (base, rate), on_device, grad in zip(self.units, self._held_terms, self._rates, grad_shards):
-            if on_device is None:  # a CPU rank reads the held terms where they are
-                look_ahead(unit.local, base, rate, grad, scale)
-            else:
-                unit.local.copy_(base, non_blocking=base.is_pinned())
-                look_ahead(unit.local, unit.local, on_device.copy_(rate, non_blocking=rate.is_pinned()), grad, scale)
+            look_ahead(unit.local, base, rate, on_device, grad, scale)
         _sync(self.units)  # the pinned terms are rewritten by the next update
 
     def close(self) -> None:

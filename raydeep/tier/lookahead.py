@@ -96,6 +96,7 @@ def write_terms(x: torch.Tensor, m: torch.Tensor, v: torch.Tensor, base: torch.T
 
 
 def decoupled_decay(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether ``group``'s weight decay is AdamW's (decoupled) rather than Adam's (in the gradient)."""
     return type(optimizer) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
 
 
@@ -118,12 +119,21 @@ class Lookahead:
                     rate.reshape(-1), constants(group, float(state["step"]), decoupled), decoupled)
 
 
-def look_ahead(local: torch.Tensor, base: torch.Tensor, rate: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
+def rate_buffers(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Where the rates go on the rank before use: a buffer beside each of ``params`` on an
+    accelerator; None on a CPU, where the rank reads the held rates where they are."""
+    return [torch.empty_like(p) if p.device.type != "cpu" else None for p in params]
+
+
+def look_ahead(local: torch.Tensor, base: torch.Tensor, rate: torch.Tensor, on_device: torch.Tensor | None,
+               grad: torch.Tensor, scale: float) -> None:
     """On the rank: ``local = base - rate * grad * scale`` in one pass, the products in fp32 and
-    one rounding into the model dtype (``base``, ``rate`` and ``grad`` are read only; ``base``
-    may be ``local`` itself)."""
+    one rounding into the model dtype. ``base`` and ``rate`` are the held terms (host memory);
+    ``on_device`` is ``rate``'s buffer beside ``local`` (``rate_buffers``). Only ``local`` and
+    ``on_device`` are written."""
     with torch.no_grad():
-        if base is local:
-            local.addcmul_(grad, rate, value=-scale)
-        else:
+        if on_device is None:
             torch.addcmul(base, grad, rate, value=-scale, out=local)
+        else:
+            local.copy_(base, non_blocking=base.is_pinned())
+            local.addcmul_(grad, on_device.copy_(rate, non_blocking=rate.is_pinned()), value=-scale)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raydeep.tier.lookahead import constants, write_terms
+from raydeep.tier.lookahead import constants, decoupled_decay, write_terms
 
 
 def piecewise_adam(optimizer: torch.optim.Optimizer) -> bool:
@@ -65,7 +65,7 @@ class PieceAdam:
         master = p.detach().narrow(0, lo, hi - lo)
         exp_avg, exp_avg_sq = state["exp_avg"].narrow(0, lo, hi - lo), state["exp_avg_sq"].narrow(0, lo, hi - lo)
         beta1, beta2 = group["betas"]
-        decoupled = type(self.optimizer) is torch.optim.AdamW or group.get("decoupled_weight_decay", False)
+        decoupled = decoupled_decay(self.optimizer, group)
         from raydeep.tier import cpu_update  # here: `python -m raydeep.tier.cpu_update` imports this package
 
         # the step count is read (a device sync) only where the kernel or the lookahead needs it
