@@ -6,10 +6,11 @@
    scale, AdamW, the fp32 master, both moments and the bf16 shard, in one pass) against torch's
    fused AdamW alone on fp32 tensors, on one thread. Target: >= 0.9x. Also the four passes it
    replaced (cast, scale, fused AdamW, write-back), each timed.
-2. The actor tier's pipeline: one offload actor updating a shard in ``sub_group_size`` pieces
-   through the object store. Its step time against ``max(transfer, compute)``, where compute is
-   the actor's own CPU-step seconds and transfer is the same step with an optimizer that does
-   nothing (only the pieces' round trip). Target: <= 1.25x, which shows transfer and compute overlap.
+2. The actor tier's pipeline: one offload actor updating a shard through the object store at
+   DeepSpeed's default ``sub_group_size``, in pieces of the default tile (``--tile``). Its step
+   time against ``max(transfer, compute)``, where compute is the actor's own CPU-step seconds
+   and transfer is the same step with an optimizer that does nothing (only the pieces' round
+   trip). Target: <= 1.25x, which shows transfer and compute overlap.
 3. The step time of a GPT (``--model``, gpt-small-cpu by default; it prints the update's share of
    the step without offload, and engine.step()'s) on 2 gloo ranks (ZeRO-2, bf16) with the optimizer states on the rank, in host
    memory, and in offload actors, each also with the delayed parameter update (with its lookahead,
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from raydeep.bench.ranks import on_gloo_ranks
+from raydeep.tier.local import DEFAULT_SUB_GROUP_SIZE, DEFAULT_TILE
 
 class NoUpdate(torch.optim.Optimizer):
     """An optimizer that changes nothing: what is left of an offloaded step is the transfer."""
@@ -93,7 +95,7 @@ def cpu_step(numel: int, reps: int) -> dict:
 
 
 # --- 2. the actor pipeline ---------------------------------------------------------------------------
-def actor_pipeline(numel: int, sub_group_size: int, reps: int) -> dict:
+def actor_pipeline(numel: int, tile: int, reps: int) -> dict:
     import functools
 
     import ray
@@ -102,15 +104,20 @@ def actor_pipeline(numel: int, sub_group_size: int, reps: int) -> dict:
     from raydeep.tier.actors import ActorTier
     from raydeep.zero.flat import FlatUnit
 
-    def tier(make) -> tuple[ActorTier, FlatUnit]:
+    def tier(make, sub_group_size: int) -> tuple[ActorTier, FlatUnit]:
         unit = FlatUnit("u", [("w", nn.Parameter(torch.randn(numel).to(torch.bfloat16)))], 0, 1, 0,
                         torch.bfloat16, False)
-        return ActorTier([unit], [{}], make, sub_group_size, {}, actors_per_rank=1, cpus_per_actor=1), unit
+        return ActorTier([unit], [{}], make, sub_group_size, {}, actors_per_rank=1, cpus_per_actor=1, tile=tile), unit
 
     adamw = functools.partial(build_optimizer, resolve_optimizer("AdamW", {"lr": 1e-3}), prefer_fused=True)
     noop = functools.partial(NoUpdate)
-    full, unit = tier(adamw)
-    empty, unit2 = tier(noop)
+    # At DeepSpeed's default sub_group_size (one sub-group): AdamW's is cut to the tile by the
+    # tier itself; the optimizer that changes nothing is not Adam, so it is given the tile as its
+    # sub-group size, which makes the same pieces.
+    full, unit = tier(adamw, DEFAULT_SUB_GROUP_SIZE)
+    empty, unit2 = tier(noop, tile)
+    pieces = [sum(c.numel for c in sg) for sg in full.sub_groups]
+    assert pieces == [sum(c.numel for c in sg) for sg in empty.sub_groups], "both contenders send the same pieces"
     grads = [torch.randn(numel).to(torch.bfloat16)]
     step_s, transfer_s, compute_s = [], [], []
     for _ in range(reps + 1):
@@ -125,7 +132,7 @@ def actor_pipeline(numel: int, sub_group_size: int, reps: int) -> dict:
     full.close()
     empty.close()
     step, transfer, compute = _median(step_s[1:]), _median(transfer_s[1:]), _median(compute_s[1:])
-    return {"numel": numel, "sub_group_size": sub_group_size, "pieces": -(-numel // sub_group_size),
+    return {"numel": numel, "sub_group_size": DEFAULT_SUB_GROUP_SIZE, "tile": tile, "pieces": len(full.sub_groups),
             "step_s": step, "transfer_s": transfer, "compute_s": compute,
             "ratio_vs_max": step / max(transfer, compute), "serial_s": transfer + compute, "target": "<= 1.25",
             "ray_initialized": ray.is_initialized()}
@@ -224,8 +231,9 @@ def gpt_offload_cost(steps: int, address: str, model: str, micro_batch: int = 4,
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=8_000_000, help="elements of the CPU-step tensors")
-    parser.add_argument("--actor-numel", type=int, default=8_000_000)
-    parser.add_argument("--sub-group-size", type=int, default=1_000_000)
+    parser.add_argument("--actor-numel", type=int, default=16_000_000)
+    parser.add_argument("--tile", type=int, default=DEFAULT_TILE,
+                        help="the actor pipeline's pieces (raydeep.offload_tile_size; sub_group_size is DeepSpeed's 1e9)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--gpt-steps", type=int, default=12)
     parser.add_argument("--model", default="gpt-small-cpu", help="the GPT of part 3 (raydeep.models)")
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(num_cpus=4, resources={"raydeep_offload": 1}, logging_level="ERROR", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
     try:
-        report["actor_pipeline"] = a = actor_pipeline(args.actor_numel, args.sub_group_size, args.reps)
+        report["actor_pipeline"] = a = actor_pipeline(args.actor_numel, args.tile, args.reps)
         print(f"actor tier, {a['numel']:,} bf16 elements in {a['pieces']} pieces: step {a['step_s'] * 1e3:.0f} ms, "
               f"transfer alone {a['transfer_s'] * 1e3:.0f} ms, CPU step {a['compute_s'] * 1e3:.0f} ms: "
               f"{a['ratio_vs_max']:.2f}x max(transfer, compute) (target <= 1.25; serial would be "

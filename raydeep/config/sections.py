@@ -266,8 +266,9 @@ class RaydeepSection(Section):
     # transfers of one with the CPU step of another) and the CPUs each asks for (its threads).
     offload_actors_per_rank: int = Field(1, ge=1)
     offload_actor_cpus: float = Field(1.0, gt=0)
-    # The host tier's transfer piece, in elements: the next piece's gradients travel while one is
-    # updated. DeepSpeed's sub_group_size keeps its meaning (how much one optimizer step covers).
+    # The offload tiers' transfer piece, in elements: the next piece's gradients travel while one
+    # is updated (host tier: over PCIe; actor tier, Adam/AdamW: through the object store).
+    # DeepSpeed's sub_group_size keeps its meaning (how much one optimizer step covers).
     offload_tile_size: int = Field(1 << 22, ge=64)
     # Threads of the offloaded CPU update (None: the CPUs the worker or offload actor was given).
     cpu_update_threads: int | None = Field(None, ge=1)

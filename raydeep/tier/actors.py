@@ -5,7 +5,8 @@ can live in ``OffloadActor`` processes on nodes marked for offload (a custom res
 label ``key=value``; ``raydeep.offload_resource``). The rank keeps only its parameters, gradients
 and the hyperparameters the LR schedulers write.
 
-A step, per sub-group k (``sub_group_size`` elements at most): the rank puts the owned gradient
+A step, per sub-group k (``sub_group_size`` elements at most, and with Adam/AdamW at most the
+transfer tile, ``raydeep.offload_tile_size``: see ``pieces_of``): the rank puts the owned gradient
 chunks (model dtype, as numpy buffers) into the object store and calls ``step`` on the actor
 that owns sub-group k (k mod the number of actors); the actor reads them zero-copy (read-only:
 an object-store buffer is immutable, so even an fp32 gradient is scaled into a copy), multiplies
@@ -62,14 +63,27 @@ from torch import nn
 from raydeep.tier import actor_faults
 from raydeep.tier.actor_faults import OffloadActorLost, actors_owned_by, fetch, lost_errors
 from raydeep.tier.base import OptimizerTier, UnitRange
+from raydeep.tier.local import DEFAULT_TILE
 from raydeep.tier.lookahead import look_ahead, rate_buffers
 from raydeep.tier.masters import plan_sub_groups
+from raydeep.tier.pieces import piecewise_adam
 from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
 from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
 
 __all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "actors_owned_by", "fetch",
            "from_wire", "lost_errors", "to_wire"]
+
+def pieces_of(sub_group_size: int, tile: int, optimizer: torch.optim.Optimizer) -> int:
+    """The elements of one call to an offload actor. Adam and AdamW are elementwise, so their
+    sub-groups are cut to the transfer ``tile`` (``raydeep.offload_tile_size``) and give the same
+    bits (``raydeep.tier.pieces``): at DeepSpeed's default ``sub_group_size`` (1e9, one sub-group
+    for a whole shard) the pieces still overlap their transfers with the update and spread over
+    the rank's actors. Any other optimizer steps whole sub-groups, as DeepSpeed's does."""
+    if not piecewise_adam(optimizer):
+        return sub_group_size
+    return tile if sub_group_size <= 0 else min(sub_group_size, tile)
+
 
 # An offload actor takes this much of the marking resource: the resource marks nodes, the CPUs
 # an actor asks for (``offload_actor_cpus``) are what limit how many fit on one.
@@ -104,15 +118,16 @@ class ActorTier(OptimizerTier):
 
     def __init__(self, units: list[FlatUnit], group_options: list[dict], make_optimizer: Callable,
                  sub_group_size: int, placement: dict, actors_per_rank: int = 1, cpus_per_actor: float = 1,
-                 start_timeout: float = 300.0, threads: int | None = None, lookahead: bool = False):
+                 start_timeout: float = 300.0, threads: int | None = None, lookahead: bool = False,
+                 tile: int = DEFAULT_TILE):
         import ray
 
         self.units = units
-        self.sub_groups = plan_sub_groups([u.local.numel() for u in units], [u.group_index for u in units],
-                                          sub_group_size)
         # Hyperparameters live on the rank, in a torch optimizer over one placeholder per group, so
         # DeepSpeed's and torch's LR schedulers drive this tier as they drive any optimizer.
         self._holder = make_optimizer([{**o, "params": [nn.Parameter(torch.zeros(1))]} for o in group_options])
+        self.sub_groups = plan_sub_groups([u.local.numel() for u in units], [u.group_index for u in units],
+                                          pieces_of(sub_group_size, tile, self._holder))
         count = max(1, min(actors_per_rank, len(self.sub_groups)))
         # Sub-group k goes to actor k mod count, so consecutive sub-groups overlap across actors too.
         self.owner = [(k % count, k // count) for k in range(len(self.sub_groups))]

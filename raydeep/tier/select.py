@@ -121,7 +121,7 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
                        "sub-group", offload.ratio)
     return ActorTier(units, group_options, make_optimizer, settings.sub_group_size,
                      offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus,
-                     threads=settings.threads, lookahead=lookahead)
+                     threads=settings.threads, lookahead=lookahead, tile=settings.tile)
 
 
 def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:

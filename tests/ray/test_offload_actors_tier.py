@@ -6,6 +6,8 @@
 - a lost object (its owner died) is a lost offload actor, as a dead actor is: retryable;
 - a load sends each actor the element ranges of its own chunks only, and the loaded tier
   continues bit for bit;
+- with Adam/AdamW, DeepSpeed's default ``sub_group_size`` (one sub-group) still travels in tiles,
+  over every actor, with the bits of the whole sub-group's update;
 - a step keeps at most ``2 x actors`` sub-groups in flight (and that many, for the overlap),
   computes what ``MasterShards`` computes in-process, and split into ``_submit``/``_collect`` uses
   the scale and hyperparameters of submit time and writes ``unit.local`` only in ``_collect``;
@@ -173,10 +175,11 @@ def test_a_load_sends_each_actor_only_its_own_chunks_and_continues_bitwise(conne
         _close(loading)
 
 
-def _oracle(units, sub_groups, grads, scale: float, lr: float) -> list[torch.Tensor]:
+def _oracle(units, sub_groups, grads, scale: float, lr: float, fused: bool = False) -> list[torch.Tensor]:
     """The update ``MasterShards`` computes in this process: each unit's new parameters."""
     masters = [units[c.unit].local[c.lo:c.hi].detach().clone() for sg in sub_groups for c in sg]
-    shards = MasterShards(sub_groups, masters, [{}], functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.1))
+    shards = MasterShards(sub_groups, masters, [{}],
+                          functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.1, fused=fused or None))
     out = [u.local.detach().clone() for u in units]
     for k, sg in enumerate(sub_groups):
         for c, p in zip(sg, shards.step_sub_group(k, [grads[c.unit][c.lo:c.hi] for c in sg], scale, writable=False)):
@@ -219,6 +222,36 @@ def test_a_step_keeps_two_pieces_per_actor_in_flight(connected, actors, delayed)
             assert torch.equal(unit.local, want)
     finally:
         _close(tier)
+
+
+def test_adam_at_deepspeeds_default_sub_group_size_travels_in_tiles_over_every_actor(connected):
+    """DeepSpeed's default ``sub_group_size`` (1e9) makes the whole shard one sub-group, which
+    would be one call to one actor: no transfer overlaps the update, and a second actor gets
+    nothing. With Adam/AdamW the tier cuts it to the tile instead, round-robin over the actors,
+    and the parameters are the bits of the whole sub-group's update in this process. Any other
+    optimizer steps the sub-group whole (its step may not be elementwise)."""
+    units = _units()
+    fused = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    whole = plan_sub_groups([u.local.numel() for u in units], [0] * len(units), 10**9)
+    grads = _grads(units, 1)
+    expected = _oracle(units, whole, grads, 0.5, 1e-2, fused=True)
+    tier = ActorTier(units, [{}], fused, 10**9, PLACEMENT, actors_per_rank=2, cpus_per_actor=0.5, tile=256)
+    try:
+        assert len(whole) == 1 and len(tier.sub_groups) >= 8 and len(tier.actors) == 2
+        assert max(sum(c.numel for c in sg) for sg in tier.sub_groups) == 256
+        log = _spied(tier)
+        tier.step(grads, 0.5)
+        assert [a for a, method, _ in log if method == "step"] == [k % 2 for k in range(len(tier.sub_groups))]
+        for unit, want in zip(units, expected):
+            assert torch.equal(unit.local, want)
+    finally:
+        _close(tier)
+    sgd = ActorTier(_units(), [{}], functools.partial(torch.optim.SGD, lr=0.1), 10**9, PLACEMENT, actors_per_rank=2,
+                    cpus_per_actor=0.5, tile=256)
+    try:
+        assert len(sgd.sub_groups) == 1 and len(sgd.actors) == 1
+    finally:
+        _close(sgd)
 
 
 def test_submit_captures_scale_and_hyperparameters_and_only_collect_writes_the_parameters(connected):

@@ -16,7 +16,7 @@ def test_offload_benchmark_reports_every_measurement(connected, tmp_path, capsys
     resource the benchmark's offload actors ask for; the smallest sizes that run every path
     (``python -m benchmarks.offload`` measures at full size)."""
     out = tmp_path / "offload.json"
-    report = offload.main(["--numel", "200000", "--actor-numel", "300000", "--sub-group-size", "100000",
+    report = offload.main(["--numel", "200000", "--actor-numel", "300000", "--tile", "102400",
                            "--reps", "2", "--gpt-steps", "3", "--model", "gpt-tiny", "--json", str(out)])
     printed = capsys.readouterr().out
     cpu, actors, gpt = report["cpu_step"], report["actor_pipeline"], report["gpt_2_ranks"]
