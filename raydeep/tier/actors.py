@@ -98,10 +98,14 @@ class StepHandle:
     hyper: list[dict]  # the hyperparameters at submit time
     grad_dtype: str
     began: float
+    lookahead: bool = False  # the actors return the lookahead's (bases, rates), not parameters
+    sent: list = field(default_factory=list)  # background: each sub-group's gradients, put in the object store
     next: int = 0  # the next sub-group to send
     in_flight: deque = field(default_factory=deque)  # (sub-group, call), oldest first
     out: list[torch.Tensor] = field(default_factory=list)  # where results go: each ``unit.local``, or held
     rates: list[torch.Tensor] = field(default_factory=list)  # with the lookahead: where its rates go (held)
+    in_store: bool = False  # background on a CPU rank: results stay in the object store until landed
+    results: dict[int, list] = field(default_factory=dict)  # ... each sub-group's arrays there
     driver: Future | None = None  # the thread running ``_drive``, in the background
     held_back: bool = False  # submitted, nothing sent yet: ``release`` sends
     copying: float = 0.0  # seconds this process spent copying gradients and parameters and sending
@@ -134,8 +138,12 @@ class ActorTier(OptimizerTier):
         self.in_flight_limit = 2 * count  # see the module docstring's note
         self._pending: StepHandle | None = None
         self._staged: dict[str, str] | None = None  # after remote_load: the state kinds (and dtypes) staged
-        # Background updates: held gradients, parameters (or the lookahead's bases) and its rates.
-        self._held: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Background updates on an accelerator: held host buffers for the parameters (or the
+        # lookahead's bases) and its rates.
+        self._held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._grad_bytes = 0  # the gradients a background update keeps in the object store
+        # A CPU rank lands background results from the object store's buffers, with no copy.
+        self.land_from_store = not units or units[0].local.device.type == "cpu"
         self.lookahead = lookahead  # background updates land as raydeep.tier.lookahead predicts
         self._rates: list[torch.Tensor] = []  # the lookahead's, beside each ``unit.local``
         self._driver: ThreadPoolExecutor | None = None
@@ -217,17 +225,24 @@ class ActorTier(OptimizerTier):
         until ``release``."""
         assert self._pending is None, "the previous update was not collected"
         grad_dtype = str(grad_shards[0].dtype).removeprefix("torch.") if grad_shards else "float32"
-        handle = StepHandle(list(grad_shards), scale, self._hyper(), grad_dtype, time.perf_counter())
+        handle = StepHandle(list(grad_shards), scale, self._hyper(), grad_dtype, time.perf_counter(),
+                            lookahead=background and self.lookahead)
         handle.out = [u.local for u in self.units]
         if background:
+            # The engine clears the gradients next: they are copied once, into the object store,
+            # where the pieces wait to be sent. A CPU rank lands the results from the object
+            # store's buffers (``_land``); on an accelerator they are copied into held host
+            # buffers as they arrive, to travel to the device at landing.
+            handle.sent = [self._put(handle.grads, k) for k in range(len(self.sub_groups))]
+            handle.grads = []
+            handle.in_store = self.land_from_store
             if self._held is None:
-                self._held = ([torch.empty(u.local.numel(), dtype=g.dtype) for u, g in zip(self.units, grad_shards)],
-                              [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units],
-                              [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units] if self.lookahead
-                              else [])
+                self._held = ([], []) if handle.in_store else (
+                    [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units],
+                    [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units] if self.lookahead else [])
                 self._rates = rate_buffers([u.local for u in self.units]) if self.lookahead else []
-            handle.grads, handle.out = [h.copy_(g) for h, g in zip(self._held[0], grad_shards)], self._held[1]
-            handle.rates = self._held[2]
+            handle.out, handle.rates = self._held
+            self._grad_bytes = sum(g.numel() * g.element_size() for g in grad_shards)
             handle.copying = time.perf_counter() - handle.began
         self._pending = handle
         handle.held_back = hold
@@ -258,11 +273,24 @@ class ActorTier(OptimizerTier):
         while len(handle.in_flight) < self.in_flight_limit and handle.next < len(self.sub_groups):
             k = handle.next
             a, local_k = self.owner[k]
-            payload = [to_wire(handle.grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
+            if handle.sent:  # the call holds the object now: it is freed once the actor is done with it
+                payload, handle.sent[k] = handle.sent[k], None
+            else:
+                payload = self._payload(handle.grads, k)
             handle.in_flight.append((k, self._call(self.actors[a].step, local_k, payload, handle.grad_dtype,
-                                                   handle.scale, handle.hyper, bool(handle.rates))))
+                                                   handle.scale, handle.hyper, handle.lookahead)))
             handle.next += 1
         handle.copying += time.perf_counter() - began
+
+    def _payload(self, grads: list[torch.Tensor], k: int) -> list:
+        return [to_wire(grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
+
+    def _put(self, grads: list[torch.Tensor], k: int):
+        import ray
+
+        payload = self._payload(grads, k)
+        self.traffic["sent"] += payload_bytes(payload)
+        return ray.put(payload)
 
     def _drive(self, handle: StepHandle) -> None:
         """Take each result, oldest first, send the next piece into its place, and copy the
@@ -272,7 +300,10 @@ class ActorTier(OptimizerTier):
             arrays, seconds = self._get(call)
             self._send(handle)  # the freed place first: the actor gets its next piece while we copy
             started = time.perf_counter()
-            arrays, rates = arrays if handle.rates else (arrays, None)
+            if handle.in_store:
+                handle.results[k] = arrays
+                continue
+            arrays, rates = arrays if handle.lookahead else (arrays, None)
             for i, (c, a) in enumerate(zip(self.sub_groups[k], arrays)):
                 handle.out[c.unit][c.lo:c.hi].copy_(from_wire(a, self.units[c.unit].dtype))
                 if rates is not None:
@@ -293,24 +324,41 @@ class ActorTier(OptimizerTier):
             else:
                 handle.driver.result()
                 started = time.perf_counter()
-                if handle.rates and ahead is not None:  # handle.out holds the bases
-                    for unit, base, rate, on_device, grad in zip(self.units, handle.out, handle.rates, self._rates,
-                                                                 ahead[0]):
-                        look_ahead(unit.local, base, rate, on_device, grad, ahead[1])
-                elif handle.rates:  # landed for its own sake (a save, an overflow, the end): no prediction
+                if handle.lookahead and ahead is None:  # landed for its own sake (a save, an overflow,
+                    handle.results.clear()              # the end): no prediction
                     self._take_parameters([self._call(actor.parameters) for actor in self.actors])
                 else:
-                    for unit, held in zip(self.units, handle.out):
-                        unit.local.copy_(held)
+                    self._land(handle, ahead)
                 handle.finished = time.perf_counter()
                 handle.copying += handle.finished - started
         finally:
-            self._pending, handle.grads, handle.out, handle.rates = None, [], [], []
+            self._pending, handle.grads, handle.out, handle.rates, handle.results = None, [], [], [], {}
         t = self.timings
         t["steps"] += 1
         t["step_s"] += handle.finished - handle.began
         t["cpu_step_s"] += max(handle.computing.values(), default=0.0)
         t["transfer_s"] += handle.copying
+
+    def _land(self, handle: StepHandle, ahead: tuple[list[torch.Tensor], float] | None) -> None:
+        """Write a background update's results into ``unit.local``: its parameters, or with the
+        lookahead ``base - rate * gradient`` from ``ahead`` (this step's gradients and scale)."""
+        if not handle.in_store:  # held host buffers
+            for i, (unit, out) in enumerate(zip(self.units, handle.out)):
+                if handle.lookahead:
+                    look_ahead(unit.local, out, handle.rates[i], self._rates[i], ahead[0][i], ahead[1])
+                else:
+                    unit.local.copy_(out)
+            return
+        for k, arrays in handle.results.items():
+            bases, rates = arrays if handle.lookahead else (arrays, None)
+            for i, c in enumerate(self.sub_groups[k]):
+                unit = self.units[c.unit]
+                base = from_wire(bases[i], unit.dtype)
+                if rates is None:
+                    unit.local[c.lo:c.hi].copy_(base)
+                else:
+                    look_ahead(unit.local[c.lo:c.hi], base, from_wire(rates[i], unit.dtype), None,
+                               ahead[0][c.unit][c.lo:c.hi], ahead[1])
 
     # The delayed parameter update (``OptimizerTier.submit``): the update runs in the background
     # while the next forward and backward do, and lands at the next ``submit`` or ``complete``.
@@ -443,12 +491,14 @@ class ActorTier(OptimizerTier):
         for node, found in zip(self.node_ids, self._get([a.memory.remote() for a in self.actors])):
             for kind, nbytes in found.items():
                 held[kind][f"actor:{node}"] = held[kind].get(f"actor:{node}", 0) + nbytes
-        # The background update's host copies (gradients, parameters or bases, rates) and the
-        # lookahead's rates on the device.
+        # The background update's gradients in the object store, its host copies (parameters or
+        # bases, rates) and the lookahead's rates on the device.
         buffers = [t for ts in (self._held or ()) for t in ts] + [r for r in self._rates if r is not None]
         for t in buffers:
             place = str(t.device)
             held["step_buffers"][place] = held["step_buffers"].get(place, 0) + t.numel() * t.element_size()
+        if self._grad_bytes:
+            held["step_buffers"]["cpu"] = held["step_buffers"].get("cpu", 0) + self._grad_bytes
         return held
 
     def report(self) -> dict:

@@ -308,15 +308,18 @@ def test_a_delayed_update_takes_the_gradients_at_submit_runs_meanwhile_and_lands
         _close(tier)
 
 
-def test_the_lookahead_lands_in_the_actor_tier_as_in_the_host_tier(connected):
+@pytest.mark.parametrize("from_store", [True, False])
+def test_the_lookahead_lands_in_the_actor_tier_as_in_the_host_tier(connected, from_store):
     """The delayed update with the lookahead (``raydeep.tier.lookahead``): each ``submit`` lands
     the pending update as ``base - rate * gradient`` from the actors' terms, bit for bit as the
     host tier computes them in-process; ``complete`` lands the masters' own parameters (fetched),
-    those of the same updates without the delay."""
+    those of the same updates without the delay. A CPU rank lands the terms from the object
+    store's buffers; an accelerator's rank copies them into held host buffers first (forced here)."""
     from raydeep.tier.local import HostTier
 
     actor_units, host_units, exact_units = _units(), _units(), _units()
     tier = ActorTier(actor_units, [{}], ADAMW, 128, PLACEMENT, actors_per_rank=2, cpus_per_actor=0.5, lookahead=True)
+    tier.land_from_store = from_store
     host = HostTier(host_units, [{}], ADAMW, 128, delayed=True, lookahead=True)
     exact = HostTier(exact_units, [{}], ADAMW, 128)
     try:
@@ -332,8 +335,10 @@ def test_the_lookahead_lands_in_the_actor_tier_as_in_the_host_tier(connected):
         host.complete()
         for a, h, e in zip(actor_units, host_units, exact_units):
             assert torch.equal(a.local, e.local) and torch.equal(h.local, e.local)
-        # On the host: the held gradients, parameters (or bases) and rates; on a CPU rank no other copy of the rates
-        assert tier.memory()["step_buffers"]["cpu"] == sum(3 * u.local.numel() * 4 for u in actor_units)
+        # The gradients wait in the object store; held host buffers take the bases and rates, where
+        # they are not landed from the object store
+        copies = 1 if from_store else 3
+        assert tier.memory()["step_buffers"]["cpu"] == sum(copies * u.local.numel() * 4 for u in actor_units)
     finally:
         _close(tier)
         host.close()
