@@ -26,10 +26,12 @@ first and sends the next piece into each freed place before copying the result. 
 that is ``_collect`` itself, reading the gradient shards where they are, so they must not change
 until it returns. The delayed parameter update (``submit``/``complete``, the engine's
 ``raydeep.delayed_update``) runs while the next forward and backward do, after the engine has
-cleared the gradients: there ``_submit`` copies the gradients into a held host buffer (their
-dtype; a second one, in the model dtype, takes the parameters coming back: 2 + 2 bytes per
-element of the shard in bf16), a driver thread sends the rest of the pieces and takes the
-results into the held buffer, and ``_collect`` waits for it and copies them into ``unit.local``.
+cleared the gradients: there ``_submit`` copies the gradients once, into the object store (2
+bytes per element of the shard in bf16, freed piece by piece as the actors finish with them), a
+driver thread sends the pieces and takes the results, and ``_collect`` waits for it and lands
+them in ``unit.local``. A CPU rank lands them from the object store's buffers; on an accelerator
+the driver copies them into held host buffers as they arrive (2 bytes per element, 4 with the
+lookahead), which travel to the device at landing.
 
 Checkpoints (``remote_snapshot``, used by ``raydeep.checkpoint.snapshot``): each actor copies
 its chunks' part of the ranges a checkpoint saves, inside the actor -- its calls run in order,
