@@ -278,19 +278,17 @@ class ActorTier(OptimizerTier):
             if handle.sent:  # the call holds the object now: it is freed once the actor is done with it
                 payload, handle.sent[k] = handle.sent[k], None
             else:
-                payload = self._payload(handle.grads, k)
+                payload = self._put(handle.grads, k)
             handle.in_flight.append((k, self._call(self.actors[a].step, local_k, payload, handle.grad_dtype,
                                                    handle.scale, handle.hyper, handle.lookahead)))
             handle.next += 1
         handle.copying += time.perf_counter() - began
 
-    def _payload(self, grads: list[torch.Tensor], k: int) -> list:
-        return [to_wire(grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
-
     def _put(self, grads: list[torch.Tensor], k: int):
+        """Sub-group ``k``'s gradients, copied into the object store."""
         import ray
 
-        payload = self._payload(grads, k)
+        payload = [to_wire(grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
         self.traffic["sent"] += payload_bytes(payload)
         return ray.put(payload)
 
