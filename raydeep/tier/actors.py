@@ -65,7 +65,7 @@ from torch import nn
 from raydeep.tier import actor_faults
 from raydeep.tier.actor_faults import OffloadActorLost, actors_owned_by, fetch, lost_errors
 from raydeep.tier.base import OptimizerTier, UnitRange
-from raydeep.tier.local import DEFAULT_TILE
+from raydeep.tier.local import DEFAULT_TILE, wait_for_copies
 from raydeep.tier.lookahead import look_ahead, rate_buffers
 from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.pieces import piecewise_adam
@@ -239,9 +239,11 @@ class ActorTier(OptimizerTier):
             handle.grads = []
             handle.in_store = self.land_from_store
             if self._held is None:
+                pin = torch.cuda.is_available() and any(u.local.is_cuda for u in self.units)  # copied on at landing
                 self._held = ([], []) if handle.in_store else (
-                    [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units],
-                    [torch.empty(u.local.numel(), dtype=u.dtype) for u in self.units] if self.lookahead else [])
+                    [torch.empty(u.local.numel(), dtype=u.dtype, pin_memory=pin) for u in self.units],
+                    [torch.empty(u.local.numel(), dtype=u.dtype, pin_memory=pin) for u in self.units]
+                    if self.lookahead else [])
                 self._rates = rate_buffers([u.local for u in self.units]) if self.lookahead else []
             handle.out, handle.rates = self._held
             self._grad_bytes = sum(g.numel() * g.element_size() for g in grad_shards)
@@ -347,7 +349,8 @@ class ActorTier(OptimizerTier):
                 if handle.lookahead:
                     look_ahead(unit.local, out, handle.rates[i], self._rates[i], ahead[0][i], ahead[1])
                 else:
-                    unit.local.copy_(out)
+                    unit.local.copy_(out, non_blocking=out.is_pinned())
+            wait_for_copies(self.units)  # the next update's driver rewrites the held buffers
             return
         for k, arrays in handle.results.items():
             bases, rates = arrays if handle.lookahead else (arrays, None)

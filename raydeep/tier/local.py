@@ -130,7 +130,7 @@ class LocalTier(OptimizerTier):
     def _import(self, pieces: list[UnitRange], scalars) -> None:
         self.shards.load(pieces, scalars)
         self._write_params([c for sg in self.sub_groups for c in sg])
-        _sync(self.units)
+        wait_for_copies(self.units)
 
     # --- accounting ---------------------------------------------------------------------------------
     def memory(self) -> dict[str, dict[str, int]]:
@@ -322,7 +322,7 @@ class HostTier(LocalTier):
         pending.result()
         for unit, held in zip(self.units, self._held_params):
             unit.local.copy_(held, non_blocking=held.is_pinned())
-        _sync(self.units)
+        wait_for_copies(self.units)
 
     def _land_lookahead(self, grad_shards, scale) -> None:
         """Wait for the submitted update and set each ``unit.local`` to its ``base - rate *
@@ -332,7 +332,7 @@ class HostTier(LocalTier):
         pending.result()
         for unit, (base, rate), on_device, grad in zip(self.units, self._held_terms, self._rates, grad_shards):
             look_ahead(unit.local, base, rate, on_device, grad, scale)
-        _sync(self.units)  # the pinned terms are rewritten by the next update
+        wait_for_copies(self.units)  # the pinned terms are rewritten by the next update
 
     def close(self) -> None:
         self.complete()
@@ -463,7 +463,7 @@ class HostTier(LocalTier):
         return held
 
 
-def _sync(units: list[FlatUnit]) -> None:
+def wait_for_copies(units: list[FlatUnit]) -> None:
     """Wait for non-blocking host-to-device parameter copies before anyone reads them."""
     if units and units[0].local.device.type == "cuda":
         torch.cuda.current_stream(units[0].local.device).synchronize()
