@@ -228,8 +228,8 @@ def test_adam_at_deepspeeds_default_sub_group_size_travels_in_tiles_over_every_a
     """DeepSpeed's default ``sub_group_size`` (1e9) makes the whole shard one sub-group, which
     would be one call to one actor: no transfer overlaps the update, and a second actor gets
     nothing. With Adam/AdamW the tier cuts it to the tile instead, round-robin over the actors,
-    and the parameters are the bits of the whole sub-group's update in this process. Any other
-    optimizer steps the sub-group whole (its step may not be elementwise)."""
+    and the parameters are the bits of the whole sub-group's update in this process (any other
+    optimizer steps sub-groups whole: tests/unit/test_optimizer_tier.py)."""
     units = _units()
     fused = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
     whole = plan_sub_groups([u.local.numel() for u in units], [0] * len(units), 10**9)
@@ -246,12 +246,6 @@ def test_adam_at_deepspeeds_default_sub_group_size_travels_in_tiles_over_every_a
             assert torch.equal(unit.local, want)
     finally:
         _close(tier)
-    sgd = ActorTier(_units(), [{}], functools.partial(torch.optim.SGD, lr=0.1), 10**9, PLACEMENT, actors_per_rank=2,
-                    cpus_per_actor=0.5, tile=256)
-    try:
-        assert len(sgd.sub_groups) == 1 and len(sgd.actors) == 1
-    finally:
-        _close(sgd)
 
 
 def test_submit_captures_scale_and_hyperparameters_and_only_collect_writes_the_parameters(connected):

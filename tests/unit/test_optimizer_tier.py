@@ -226,6 +226,20 @@ def test_plan_sub_groups_cuts_aligned_and_packs_in_unit_order():
         [(0, 0, 5)], [(1, 0, 3)]]
 
 
+def test_the_actor_tier_cuts_only_elementwise_optimizers_to_the_tile():
+    """Offload actors get Adam/AdamW in pieces of the tile whatever ``sub_group_size`` is (the same
+    bits: tests/ray/test_offload_actors_tier.py); any other optimizer keeps DeepSpeed's sub-groups."""
+    from raydeep.tier.actors import pieces_of
+
+    def made(cls, **kw):
+        return cls([nn.Parameter(torch.zeros(1))], lr=0.1, **kw)
+    adamw, adam = made(torch.optim.AdamW, fused=True), made(torch.optim.Adam, fused=True)
+    assert [pieces_of(size, 4096, adamw) for size in (10**9, 1000, 0)] == [4096, 1000, 4096]
+    assert pieces_of(10**9, 4096, adam) == 4096
+    for other in (made(torch.optim.SGD), made(torch.optim.AdamW, foreach=True), made(torch.optim.Adagrad)):
+        assert [pieces_of(size, 4096, other) for size in (10**9, 0)] == [10**9, 0], type(other).__name__
+
+
 def test_host_tier_keeps_separate_fp32_masters_in_host_memory():
     units = _units(torch.float32)
     tier = _tier("host", units)
