@@ -5,21 +5,21 @@ can live in ``OffloadActor`` processes on nodes marked for offload (a custom res
 label ``key=value``; ``raydeep.offload_resource``). The rank keeps only its parameters, gradients
 and the hyperparameters the LR schedulers write.
 
-A step, per sub-group k (``sub_group_size`` elements at most, and with Adam/AdamW at most the
-transfer tile, ``raydeep.offload_tile_size``: see ``pieces_of``): the rank puts the owned gradient
-chunks (model dtype, as numpy buffers) into the object store and calls ``step`` on the actor
-that owns sub-group k (k mod the number of actors); the actor reads them zero-copy (read-only:
-an object-store buffer is immutable, so even an fp32 gradient is scaled into a copy), multiplies
-by the one scale, runs the torch optimizer on its fp32 masters, and returns the updated
-parameters in the model dtype, which the rank copies into ``unit.local``. The overflow and
-clipping decisions were made on the rank before anything was sent. What runs in the actor
-process, and how tensors travel, is ``raydeep.tier.offload_actor``.
+A step, per sub-group k (``sub_group_size`` elements at most; with Adam/AdamW at most the transfer
+tile, ``raydeep.offload_tile_size``: ``raydeep.tier.pieces.pieces_of``): the rank puts the owned
+gradient chunks (model dtype, as numpy buffers) into the object store and calls ``step`` on the
+actor that owns sub-group k (k mod the number of actors); the actor reads them zero-copy
+(read-only: an object-store buffer is immutable, so even an fp32 gradient is scaled into a copy),
+multiplies by the one scale, runs the torch optimizer on its fp32 masters, and returns the updated
+parameters in the model dtype, which the rank copies into ``unit.local``. The overflow and clipping
+decisions were made on the rank before anything was sent. What runs in the actor process, and how
+tensors travel, is ``raydeep.tier.offload_actor``.
 
 Note: at most ``2 x actors`` sub-groups are in flight per rank (``in_flight_limit``): one
 computing on each actor and the next queued behind it, which is all the overlap an actor that
 runs its calls in order can use; more would only hold more gradients (and results) in the
 object store at once, which for a large shard means spilling to disk. A step is ``_submit``
-(captures the scale and the hyperparameters, and sends the first pieces: ``.remote()`` copies
+(captures the scale and the hyperparameters, and sends the first pieces: ``_put`` copies
 their gradients into the object store) then ``_collect`` (the only writer of ``unit.local``);
 ``step`` is ``_collect(_submit(...))``. Whoever drives the pipeline takes the results oldest
 first and sends the next piece into each freed place before copying the result. In a ``step``
@@ -33,21 +33,7 @@ them in ``unit.local``. A CPU rank lands them from the object store's buffers; o
 the driver copies them into held host buffers as they arrive (2 bytes per element, 4 with the
 lookahead), which travel to the device at landing.
 
-Checkpoints (``remote_snapshot``, used by ``raydeep.checkpoint.snapshot``): each actor copies
-its chunks' part of the ranges a checkpoint saves, inside the actor -- its calls run in order,
-so the copy holds the state of the last step and of no later one, whatever the rank does next --
-and keeps it (12 bytes per element for AdamW, on the CPU node) until ``RemoteSnapshot.write``
-has it write the copy as a part file of the rank through the sink the checkpoint provides (its
-format, its storage, its staging location), returning only the file's digest and size. The
-masters and optimizer states never pass through the rank. An actor that does not see the mark
-of the rank's staging location (a node-local directory on another node) hands its copy to the
-rank instead, which writes the same file. The commit stays the checkpoint's: the rank reports its
-digests only after its actors' files are written, and the manifest comes last. Loads
-(``remote_load``, used by ``raydeep.checkpoint.restore`` where every node reaches the storage: an
-object store, the memory snapshots) are the same the other way: each actor reads and verifies its
-own chunks' ranges and stages them; the rank's ``load_state_dict`` then has them load what they
-staged, and receives only the parameters in the model dtype.
-
+Checkpoints (``remote_snapshot``, ``remote_load``): ``raydeep.tier.remote_snapshot``.
 Fault model and ownership: ``raydeep.tier.actor_faults``.
 """
 from __future__ import annotations
@@ -68,24 +54,13 @@ from raydeep.tier.base import OptimizerTier, UnitRange
 from raydeep.tier.local import DEFAULT_TILE, wait_for_copies
 from raydeep.tier.lookahead import look_ahead, rate_buffers
 from raydeep.tier.masters import plan_sub_groups
-from raydeep.tier.pieces import piecewise_adam
+from raydeep.tier.pieces import pieces_of
 from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
 from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
 
 __all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "actors_owned_by", "fetch",
            "from_wire", "lost_errors", "to_wire"]
-
-def pieces_of(sub_group_size: int, tile: int, optimizer: torch.optim.Optimizer) -> int:
-    """The elements of one call to an offload actor. Adam and AdamW are elementwise, so their
-    sub-groups are cut to the transfer ``tile`` (``raydeep.offload_tile_size``) and give the same
-    bits (``raydeep.tier.pieces``): at DeepSpeed's default ``sub_group_size`` (1e9, one sub-group
-    for a whole shard) the pieces still overlap their transfers with the update and spread over
-    the rank's actors. Any other optimizer steps whole sub-groups, as DeepSpeed's does."""
-    if not piecewise_adam(optimizer):
-        return sub_group_size
-    return tile if sub_group_size <= 0 else min(sub_group_size, tile)
-
 
 # An offload actor takes this much of the marking resource: the resource marks nodes, the CPUs
 # an actor asks for (``offload_actor_cpus``) are what limit how many fit on one.

@@ -101,3 +101,14 @@ class PieceAdam:
             self._buffer = torch.empty(grad.numel(), dtype=torch.float32)
         wide = self._buffer[:grad.numel()].copy_(grad)
         return wide if scale == 1.0 else wide.mul_(scale)
+
+
+def pieces_of(sub_group_size: int, tile: int, optimizer: torch.optim.Optimizer) -> int:
+    """The elements of one call to an offload actor (``raydeep.tier.actors``). Adam and AdamW are
+    elementwise, so their sub-groups are cut to the transfer ``tile``
+    (``raydeep.offload_tile_size``) and give the same bits (see the module docstring): at DeepSpeed's default ``sub_group_size`` (1e9, one sub-group
+    for a whole shard) the pieces still overlap their transfers with the update and spread over
+    the rank's actors. Any other optimizer steps whole sub-groups, as DeepSpeed's does."""
+    if not piecewise_adam(optimizer):
+        return sub_group_size
+    return tile if sub_group_size <= 0 else min(sub_group_size, tile)

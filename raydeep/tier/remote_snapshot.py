@@ -1,6 +1,20 @@
-"""An ``ActorTier``'s checkpoint copy held in its offload actors (``ActorTier.remote_snapshot``;
-see ``raydeep.tier.actors``'s module docstring): the copy is taken inside the actors and written
-by them as the rank's part files, so the masters and optimizer states never pass through the rank.
+"""An ``ActorTier``'s checkpoint copy held in its offload actors (``ActorTier.remote_snapshot``):
+the copy is taken inside the actors and written by them as the rank's part files.
+
+Checkpoints (``remote_snapshot``, used by ``raydeep.checkpoint.snapshot``): each actor copies
+its chunks' part of the ranges a checkpoint saves, inside the actor -- its calls run in order,
+so the copy holds the state of the last step and of no later one, whatever the rank does next --
+and keeps it (12 bytes per element for AdamW, on the CPU node) until ``RemoteSnapshot.write``
+has it write the copy as a part file of the rank through the sink the checkpoint provides (its
+format, its storage, its staging location), returning only the file's digest and size. The
+masters and optimizer states never pass through the rank. An actor that does not see the mark
+of the rank's staging location (a node-local directory on another node) hands its copy to the
+rank instead, which writes the same file. The commit stays the checkpoint's: the rank reports its
+digests only after its actors' files are written, and the manifest comes last. Loads
+(``remote_load``, used by ``raydeep.checkpoint.restore`` where every node reaches the storage: an
+object store, the memory snapshots) are the same the other way: each actor reads and verifies its
+own chunks' ranges and stages them; the rank's ``load_state_dict`` then has them load what they
+staged, and receives only the parameters in the model dtype.
 """
 from __future__ import annotations
 

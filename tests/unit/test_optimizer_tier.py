@@ -229,7 +229,7 @@ def test_plan_sub_groups_cuts_aligned_and_packs_in_unit_order():
 def test_the_actor_tier_cuts_only_elementwise_optimizers_to_the_tile():
     """Offload actors get Adam/AdamW in pieces of the tile whatever ``sub_group_size`` is (the same
     bits: tests/ray/test_offload_actors_tier.py); any other optimizer keeps DeepSpeed's sub-groups."""
-    from raydeep.tier.actors import pieces_of
+    from raydeep.tier.pieces import pieces_of
 
     def made(cls, **kw):
         return cls([nn.Parameter(torch.zeros(1))], lr=0.1, **kw)
