@@ -115,12 +115,10 @@ class ActorTier(OptimizerTier):
         self.in_flight_limit = 2 * count  # see the module docstring's note
         self._pending: StepHandle | None = None
         self._staged: dict[str, str] | None = None  # after remote_load: the state kinds (and dtypes) staged
-        # Background updates on an accelerator: held host buffers for the parameters (or the
-        # lookahead's bases) and its rates.
+        # Background updates on an accelerator: held host buffers for parameters (or bases), rates.
         self._held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._grad_bytes = 0  # the gradients a background update keeps in the object store
-        # A CPU rank lands background results from the object store's buffers, with no copy.
-        self.land_from_store = not units or units[0].local.device.type == "cpu"
+        self.land_from_store = not units or units[0].local.device.type == "cpu"  # a CPU rank: no copy
         self.lookahead = lookahead  # background updates land as raydeep.tier.lookahead predicts
         self._rates: list[torch.Tensor] = []  # the lookahead's, beside each ``unit.local``
         self._driver: ThreadPoolExecutor | None = None
@@ -214,7 +212,7 @@ class ActorTier(OptimizerTier):
             handle.grads = []
             handle.in_store = self.land_from_store
             if self._held is None:
-                pin = torch.cuda.is_available() and any(u.local.is_cuda for u in self.units)  # copied on at landing
+                pin = any(u.local.is_cuda for u in self.units)  # copied to the device at landing
                 self._held = ([], []) if handle.in_store else (
                     [torch.empty(u.local.numel(), dtype=u.dtype, pin_memory=pin) for u in self.units],
                     [torch.empty(u.local.numel(), dtype=u.dtype, pin_memory=pin) for u in self.units]
@@ -279,12 +277,11 @@ class ActorTier(OptimizerTier):
             started = time.perf_counter()
             if handle.in_store:
                 handle.results[k] = arrays
-                continue
-            arrays, rates = arrays if handle.lookahead else (arrays, None)
-            for i, (c, a) in enumerate(zip(self.sub_groups[k], arrays)):
-                handle.out[c.unit][c.lo:c.hi].copy_(from_wire(a, self.units[c.unit].dtype))
-                if rates is not None:
-                    handle.rates[c.unit][c.lo:c.hi].copy_(from_wire(rates[i], self.units[c.unit].dtype))
+            else:
+                for c, value, rate in self._results(k, arrays, handle.lookahead):
+                    handle.out[c.unit][c.lo:c.hi].copy_(value)
+                    if rate is not None:
+                        handle.rates[c.unit][c.lo:c.hi].copy_(rate)
             handle.copying += time.perf_counter() - started
             handle.computing[self.owner[k][0]] = handle.computing.get(self.owner[k][0], 0.0) + seconds
         handle.finished = time.perf_counter()
@@ -328,15 +325,19 @@ class ActorTier(OptimizerTier):
             wait_for_copies(self.units)  # the next update's driver rewrites the held buffers
             return
         for k, arrays in handle.results.items():
-            bases, rates = arrays if handle.lookahead else (arrays, None)
-            for i, c in enumerate(self.sub_groups[k]):
-                unit = self.units[c.unit]
-                base = from_wire(bases[i], unit.dtype)
-                if rates is None:
-                    unit.local[c.lo:c.hi].copy_(base)
+            for c, value, rate in self._results(k, arrays, handle.lookahead):
+                local = self.units[c.unit].local[c.lo:c.hi]
+                if rate is None:
+                    local.copy_(value)
                 else:
-                    look_ahead(unit.local[c.lo:c.hi], base, from_wire(rates[i], unit.dtype), None,
-                               ahead[0][c.unit][c.lo:c.hi], ahead[1])
+                    look_ahead(local, value, rate, None, ahead[0][c.unit][c.lo:c.hi], ahead[1])
+
+    def _results(self, k: int, arrays, lookahead: bool):
+        """Sub-group ``k``'s ``(chunk, parameters or lookahead base, its rate or None)``, read-only."""
+        values, rates = arrays if lookahead else (arrays, None)
+        for i, c in enumerate(self.sub_groups[k]):
+            dtype = self.units[c.unit].dtype
+            yield c, from_wire(values[i], dtype), None if rates is None else from_wire(rates[i], dtype)
 
     # The delayed parameter update (``OptimizerTier.submit``): the update runs in the background
     # while the next forward and backward do, and lands at the next ``submit`` or ``complete``.

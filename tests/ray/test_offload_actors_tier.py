@@ -297,6 +297,7 @@ def test_a_delayed_update_takes_the_gradients_at_submit_runs_meanwhile_and_lands
         assert tier.pending
         tier.complete()
         assert not tier.pending and tier.timings["steps"] == 2
+        assert tier.timings["cpu_step_s"] > 0  # the actors' own seconds, landed from the object store
         assert not torch.equal(units[0].local, expected[0])
     finally:
         _close(tier)
