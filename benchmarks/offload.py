@@ -6,16 +6,19 @@
    scale, AdamW, the fp32 master, both moments and the bf16 shard, in one pass) against torch's
    fused AdamW alone on fp32 tensors, on one thread. Target: >= 0.9x. Also the four passes it
    replaced (cast, scale, fused AdamW, write-back), each timed.
-2. The actor tier's pipeline: one offload actor updating a shard through the object store at
-   DeepSpeed's default ``sub_group_size``, in pieces of the default tile (``--tile``). Its step
-   time against ``max(transfer, compute)``, where compute is the actor's own CPU-step seconds
-   and transfer is the same step with an optimizer that does nothing (only the pieces' round
-   trip). Target: <= 1.25x, which shows transfer and compute overlap.
+2. The actor tier's pipeline: one offload actor updating a shard at DeepSpeed's default
+   ``sub_group_size``, in pieces of the default tile (``--tile``), through the object store (as
+   an actor on another node) and through shared memory (an actor on the rank's node, the
+   default there). Its step time against ``max(transfer, compute)``, where compute is the
+   actor's own CPU-step seconds and transfer is the same step with an optimizer that does
+   nothing (only the pieces' round trip). Target: <= 1.25x, which shows transfer and compute
+   overlap.
 3. The step time of a GPT (``--model``, gpt-small-cpu by default; it prints the update's share of
-   the step without offload, and engine.step()'s) on 2 gloo ranks (ZeRO-2, bf16) with the optimizer states on the rank, in host
-   memory, and in offload actors, each also with the delayed parameter update (with its lookahead,
-   the default; the actors also with ZeRO-Offload's plain rule), in rotating blocks of 4 steps.
-   Targets: host <= 1.05x, actors <= 1.25x, actors with the delayed update <= 1.10x.
+   the step without offload, and engine.step()'s) on 2 gloo ranks (ZeRO-2, bf16) with the optimizer
+   states on the rank, in host memory, and in offload actors (on this node: through shared memory,
+   and as actors on other nodes would, through the object store), each also with the delayed
+   parameter update (with its lookahead, the default), in rotating blocks of 4 steps. Targets:
+   host <= 1.05x, actors <= 1.25x, actors with the delayed update <= 1.10x.
 
 Medians over the repetitions; the machine's other load hits every contender alike.
 """
@@ -95,7 +98,7 @@ def cpu_step(numel: int, reps: int) -> dict:
 
 
 # --- 2. the actor pipeline ---------------------------------------------------------------------------
-def actor_pipeline(numel: int, tile: int, reps: int) -> dict:
+def actor_pipeline(numel: int, tile: int, reps: int, shared_memory: bool) -> dict:
     import functools
 
     import ray
@@ -107,7 +110,8 @@ def actor_pipeline(numel: int, tile: int, reps: int) -> dict:
     def tier(make, sub_group_size: int) -> tuple[ActorTier, FlatUnit]:
         unit = FlatUnit("u", [("w", nn.Parameter(torch.randn(numel).to(torch.bfloat16)))], 0, 1, 0,
                         torch.bfloat16, False)
-        return ActorTier([unit], [{}], make, sub_group_size, {}, actors_per_rank=1, cpus_per_actor=1, tile=tile), unit
+        return ActorTier([unit], [{}], make, sub_group_size, {}, actors_per_rank=1, cpus_per_actor=1, tile=tile,
+                         shared_memory=shared_memory), unit
 
     adamw = functools.partial(build_optimizer, resolve_optimizer("AdamW", {"lr": 1e-3}), prefer_fused=True)
     noop = functools.partial(NoUpdate)
@@ -118,6 +122,8 @@ def actor_pipeline(numel: int, tile: int, reps: int) -> dict:
     empty, unit2 = tier(noop, tile)
     pieces = [sum(c.numel for c in sg) for sg in full.sub_groups]
     assert pieces == [sum(c.numel for c in sg) for sg in empty.sub_groups], "both contenders send the same pieces"
+    # Shared memory only where the actor is on this node (a cluster may place it elsewhere).
+    used = all(w is not None for w in full.windows + empty.windows)
     grads = [torch.randn(numel).to(torch.bfloat16)]
     step_s, transfer_s, compute_s = [], [], []
     for _ in range(reps + 1):
@@ -132,18 +138,20 @@ def actor_pipeline(numel: int, tile: int, reps: int) -> dict:
     full.close()
     empty.close()
     step, transfer, compute = _median(step_s[1:]), _median(transfer_s[1:]), _median(compute_s[1:])
-    return {"numel": numel, "sub_group_size": DEFAULT_SUB_GROUP_SIZE, "tile": tile, "pieces": len(full.sub_groups),
+    return {"numel": numel, "shared_memory": used, "sub_group_size": DEFAULT_SUB_GROUP_SIZE, "tile": tile, "pieces": len(full.sub_groups),
             "step_s": step, "transfer_s": transfer, "compute_s": compute,
             "ratio_vs_max": step / max(transfer, compute), "serial_s": transfer + compute, "target": "<= 1.25",
             "ray_initialized": ray.is_initialized()}
 
 
 # --- 3. a GPT on 2 ranks ---------------------------------------------------------------------------------
-# name -> (offload target, delayed update, its lookahead); the delayed update's default is the
-# lookahead (raydeep.tier.lookahead); the plain rule beside it shows what the lookahead costs.
-TIERS = {"on the rank": (None, False, False), "host memory": ("host", False, False),
-         "offload actors": ("actors", False, False), "host, delayed": ("host", True, True),
-         "actors, delayed": ("actors", True, True), "actors, delayed, plain rule": ("actors", True, False)}
+# name -> (offload target, delayed update, shared memory); the delayed update has its default
+# lookahead (raydeep.tier.lookahead). The actors run on this node, so by default they exchange
+# through shared memory; "object store" is the path actors on other nodes take.
+TIERS = {"on the rank": (None, False, True), "host memory": ("host", False, True),
+         "offload actors": ("actors", False, True), "actors, object store": ("actors", False, False),
+         "host, delayed": ("host", True, True), "actors, delayed": ("actors", True, True),
+         "actors, delayed, object store": ("actors", True, False)}
 
 
 BLOCK = 4  # consecutive steps per contender
@@ -170,7 +178,7 @@ def _rank(address: str, steps: int, model: str, micro_batch: int = 4, seq: int =
     rank = dist.get_rank()
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     engines = {}
-    for name, (target, delayed, lookahead) in TIERS.items():
+    for name, (target, delayed, shared_memory) in TIERS.items():
         torch.manual_seed(0)
         zero = {"stage": 2, "reduce_bucket_size": 200_000}
         if target:
@@ -179,7 +187,7 @@ def _rank(address: str, steps: int, model: str, micro_batch: int = 4, seq: int =
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": zero,
                "raydeep": {"offload_target": target or "auto", "offload_actor_cpus": 0.5,
                            "delayed_update": delayed, "delayed_update_warmup_steps": 0,
-                           "delayed_update_lookahead": lookahead}}
+                           "offload_shared_memory": shared_memory}}
         engines[name], *_ = raydeep.initialize(model=build_gpt(model, block_size=seq), config=cfg)
     g = torch.Generator().manual_seed(rank)
     times = {name: [] for name in TIERS}
@@ -256,11 +264,14 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(num_cpus=4, resources={"raydeep_offload": 1}, logging_level="ERROR", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
     try:
-        report["actor_pipeline"] = a = actor_pipeline(args.actor_numel, args.tile, args.reps)
-        print(f"actor tier, {a['numel']:,} bf16 elements in {a['pieces']} pieces: step {a['step_s'] * 1e3:.0f} ms, "
-              f"transfer alone {a['transfer_s'] * 1e3:.0f} ms, CPU step {a['compute_s'] * 1e3:.0f} ms: "
-              f"{a['ratio_vs_max']:.2f}x max(transfer, compute) (target <= 1.25; serial would be "
-              f"{a['serial_s'] / max(a['transfer_s'], a['compute_s']):.2f}x)")
+        for how, shared_memory in (("the object store", False), ("shared memory", True)):
+            report[f"actor_pipeline, {how.removeprefix('the ')}"] = a = actor_pipeline(args.actor_numel, args.tile, args.reps, shared_memory)
+            if shared_memory and not a["shared_memory"]:
+                print("actor tier through shared memory: the actor is on another node, the object store again")
+            print(f"actor tier through {how}, {a['numel']:,} bf16 elements in {a['pieces']} pieces: step "
+                  f"{a['step_s'] * 1e3:.0f} ms, transfer alone {a['transfer_s'] * 1e3:.0f} ms, CPU step "
+                  f"{a['compute_s'] * 1e3:.0f} ms: {a['ratio_vs_max']:.2f}x max(transfer, compute) (target <= 1.25; "
+                  f"serial would be {a['serial_s'] / max(a['transfer_s'], a['compute_s']):.2f}x)")
         address = ray.get_runtime_context().gcs_address
         report["gpt_2_ranks"] = g = gpt_offload_cost(args.gpt_steps, address, args.model, args.micro_batch, args.seq)
         print(f"{args.model}, 2 ranks, ZeRO-2 bf16, {args.micro_batch} x {args.seq} tokens, median step (on the rank "

@@ -270,6 +270,10 @@ class RaydeepSection(Section):
     # is updated (host tier: over PCIe; actor tier, Adam/AdamW: through the object store).
     # DeepSpeed's sub_group_size keeps its meaning (how much one optimizer step covers).
     offload_tile_size: int = Field(1 << 22, ge=64)
+    # An offload actor on the rank's own node exchanges the gradients and results through shared
+    # memory (/dev/shm) instead of the object store: two copies fewer per step and no work for
+    # the raylet (raydeep/tier/shared_window.py). false: always the object store.
+    offload_shared_memory: Flag = True
     # Threads of the offloaded CPU update (None: the CPUs the worker or offload actor was given).
     cpu_update_threads: int | None = Field(None, ge=1)
     # ZeRO-Offload's one-step delayed parameter update: step t's update runs on the CPU while step

@@ -320,6 +320,7 @@ SUPPORT: dict[str, Support] = {
     "raydeep.offload_actors_per_rank": read(TIERS),
     "raydeep.offload_actor_cpus": read(TIERS),
     "raydeep.offload_tile_size": read(TIERS),
+    "raydeep.offload_shared_memory": read(TIERS),
     "raydeep.cpu_update_threads": read(TIERS),
     "raydeep.delayed_update": read(BUILDER, ENGINE),
     "raydeep.delayed_update_warmup_steps": read(BUILDER),

@@ -13,7 +13,8 @@ actor that owns sub-group k (k mod the number of actors); the actor reads them z
 multiplies by the one scale, runs the torch optimizer on its fp32 masters, and returns the updated
 parameters in the model dtype, which the rank copies into ``unit.local``. The overflow and clipping
 decisions were made on the rank before anything was sent. What runs in the actor process, and how
-tensors travel, is ``raydeep.tier.offload_actor``.
+tensors travel, is ``raydeep.tier.offload_actor``; an actor on the rank's own node exchanges them
+through shared memory instead of the object store (``raydeep.tier.shared_window``).
 
 Note: at most ``2 x actors`` sub-groups are in flight per rank (``in_flight_limit``): one
 computing on each actor and the next queued behind it, which is all the overlap an actor that
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from raydeep.tier import actor_faults
+from raydeep.tier import actor_faults, remote_snapshot, shared_window
 from raydeep.tier.actor_faults import OffloadActorLost, actors_owned_by, fetch, lost_errors
 from raydeep.tier.base import OptimizerTier, UnitRange
 from raydeep.tier.local import DEFAULT_TILE, wait_for_copies
@@ -56,6 +57,7 @@ from raydeep.tier.lookahead import look_ahead, rate_buffers
 from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.pieces import pieces_of
 from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
+from raydeep.tier.shared_window import WindowLayout
 from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
 
@@ -100,7 +102,7 @@ class ActorTier(OptimizerTier):
     def __init__(self, units: list[FlatUnit], group_options: list[dict], make_optimizer: Callable,
                  sub_group_size: int, placement: dict, actors_per_rank: int = 1, cpus_per_actor: float = 1,
                  start_timeout: float = 300.0, threads: int | None = None, lookahead: bool = False,
-                 tile: int = DEFAULT_TILE):
+                 tile: int = DEFAULT_TILE, shared_memory: bool = True):
         import ray
 
         self.units = units
@@ -148,6 +150,12 @@ class ActorTier(OptimizerTier):
                 "Add offload nodes (ray start --resources='{\"<resource>\": 1}' --num-cpus N) or set "
                 "raydeep.offload_target to \"host\"")
         self.node_ids = self._get(started)
+        here = ray.get_runtime_context().get_node_id()
+        self.windows = shared_window.share(self.actors, [self._layout(a) if shared_memory and node == here else None
+                                                         for a, node in enumerate(self.node_ids)], tag)
+        # Each sub-group's chunks' indices in its actor's order (its window's).
+        self._in_window = [range(sum(len(sg) for sg in self._mine(a)[:j]), sum(len(sg) for sg in self._mine(a)[:j + 1]))
+                           for a, j in self.owner]
         self.timings = {"steps": 0, "step_s": 0.0, "cpu_step_s": 0.0, "transfer_s": 0.0}
 
     def _mine(self, a: int) -> list[list]:
@@ -156,6 +164,14 @@ class ActorTier(OptimizerTier):
     def _chunks(self, a: int) -> list:
         """Actor ``a``'s chunks in its own (flat) order."""
         return [c for sg in self._mine(a) for c in sg]
+
+    def _layout(self, a: int) -> WindowLayout | None:
+        """Actor ``a``'s shared window: its chunks' gradients and results (None: mixed gradient dtypes)."""
+        grad_dtypes = {u.grad.dtype if getattr(u, "grad", None) is not None else u.dtype for u in self.units}
+        if len(grad_dtypes) != 1 or len({u.dtype for u in self.units}) != 1:
+            return None
+        return WindowLayout(tuple(c.numel for c in self._chunks(a)), grad_dtypes.pop(), self.units[0].dtype,
+                            2 if self.lookahead else 1)
 
     def _get(self, refs):
         out = fetch(refs)
@@ -219,7 +235,8 @@ class ActorTier(OptimizerTier):
                     if self.lookahead else [])
                 self._rates = rate_buffers([u.local for u in self.units]) if self.lookahead else []
             handle.out, handle.rates = self._held
-            self._grad_bytes = sum(g.numel() * g.element_size() for g in grad_shards)
+            self._grad_bytes = sum(c.numel * grad_shards[c.unit].element_size() for k, ref in enumerate(handle.sent)
+                                   if ref is not None for c in self.sub_groups[k])  # in the object store
             handle.copying = time.perf_counter() - handle.began
         self._pending = handle
         handle.held_back = hold
@@ -260,9 +277,16 @@ class ActorTier(OptimizerTier):
         handle.copying += time.perf_counter() - began
 
     def _put(self, grads: list[torch.Tensor], k: int):
-        """Sub-group ``k``'s gradients, copied into the object store."""
+        """Sub-group ``k``'s gradients, copied into its actor's shared window (None is returned:
+        the actor reads them there), or into the object store."""
         import ray
 
+        window = self.windows[self.owner[k][0]]
+        if window is not None and all(grads[c.unit].dtype == window.layout.grad_dtype for c in self.sub_groups[k]):
+            for i, c in zip(self._in_window[k], self.sub_groups[k]):
+                window.grad(i).copy_(grads[c.unit][c.lo:c.hi])
+                self.traffic["sent"] += c.numel * grads[c.unit].element_size()
+            return None
         payload = [to_wire(grads[c.unit][c.lo:c.hi]) for c in self.sub_groups[k]]
         self.traffic["sent"] += payload_bytes(payload)
         return ray.put(payload)
@@ -273,6 +297,10 @@ class ActorTier(OptimizerTier):
         while handle.in_flight:
             k, call = handle.in_flight.popleft()
             arrays, seconds = self._get(call)
+            if arrays is None:  # in the shared window: counted here, as ``_get`` counts arrays
+                window = self.windows[self.owner[k][0]].layout
+                self.traffic["received"] += (sum(c.numel for c in self.sub_groups[k]) * window.out_dtype.itemsize
+                                             * (1 + handle.lookahead))
             self._send(handle)  # the freed place first: the actor gets its next piece while we copy
             started = time.perf_counter()
             if handle.in_store:
@@ -333,7 +361,13 @@ class ActorTier(OptimizerTier):
                     look_ahead(local, value, rate, None, ahead[0][c.unit][c.lo:c.hi], ahead[1])
 
     def _results(self, k: int, arrays, lookahead: bool):
-        """Sub-group ``k``'s ``(chunk, parameters or lookahead base, its rate or None)``, read-only."""
+        """Sub-group ``k``'s ``(chunk, parameters or lookahead base, its rate or None)``, read-only:
+        from ``arrays``, or where they are None from the actor's shared window."""
+        if arrays is None:
+            window = self.windows[self.owner[k][0]]
+            for i, c in zip(self._in_window[k], self.sub_groups[k]):
+                yield c, window.out(0, i), window.out(1, i) if lookahead else None
+            return
         values, rates = arrays if lookahead else (arrays, None)
         for i, c in enumerate(self.sub_groups[k]):
             dtype = self.units[c.unit].dtype
@@ -402,67 +436,15 @@ class ActorTier(OptimizerTier):
                 self.units[c.unit].local[c.lo:c.hi].copy_(from_wire(arr, self.units[c.unit].dtype))
 
     def remote_load(self, source, kinds: list[str], pieces_in: Callable) -> None:
-        """Phase 1 of a checkpoint load (``raydeep.checkpoint.restore``) done by the actors: each
-        reads its own chunks' ranges of state ``kinds`` (the fp32 master first) through
-        ``source`` (a ``CheckpointReader`` over a storage every actor reaches: an object store,
-        or the run's memory snapshots, whose files other offload actors may hold), verified, and
-        stages them, so nothing of the masters and states passes through the rank. The next
-        ``load_state_dict`` loads what was staged and does not read its ranges' tensors.
-        ``pieces_in(unit, start, end)`` gives the parameters' pieces of a unit's flat range.
-        Raises the checkpoint error an actor found (nothing is loaded then)."""
-        from raydeep.errors import CheckpointError, CorruptCheckpointError
-
+        """Phase 1 of a checkpoint load, done by the actors: ``remote_snapshot.stage_load``."""
         assert self._pending is None, "an update is in flight"
-        calls = [self._call(actor.stage, source, self._load_plan(a, pieces_in), kinds)
-                 for a, actor in enumerate(self.actors)]
-        failures = [found for found in self._get(calls) if found is not None]
-        if failures:
-            kind, message = failures[0]
-            raise (CorruptCheckpointError if kind == CorruptCheckpointError.__name__ else CheckpointError)(message)
-        self._staged = {kind: str(source.state_dtype(kind)).removeprefix("torch.") for kind in kinds[1:]}
-
-    def _load_plan(self, a: int, pieces_in: Callable) -> list[tuple]:
-        """Actor ``a``'s part of a load, as ``OffloadActor.stage`` takes it: per chunk, the range a
-        checkpoint holds of it (the unit's held range: padding excluded) and its parameters'
-        pieces there."""
-        plan = []
-        for c in self._chunks(a):
-            unit = self.units[c.unit]
-            start, end, base = unit.held_range()
-            lo, hi = max(start, base + c.lo), min(end, base + c.hi)
-            if lo < hi:
-                pieces = [(slot.name, s - slot.offset, e - slot.offset, s - lo) for slot, s, e in pieces_in(unit, lo, hi)]
-                plan.append((c.unit, lo - base, hi - base, pieces))
-        return plan
+        self._staged = remote_snapshot.stage_load(self, source, kinds, pieces_in)
 
     def remote_snapshot(self, ranges: list[tuple[int, int]]) -> RemoteSnapshot:
         """Like ``state_dict(ranges)``, but the masters and states are copied inside the actors and
-        stay there, to be written by them (``RemoteSnapshot.write``; see the module docstring)."""
+        stay there, to be written by them: ``remote_snapshot.take``."""
         assert self._pending is None, "an update is in flight"
-        local, bases = {}, []
-        for i, unit in enumerate(self.units):
-            start, end, base = unit.held_range()
-            lo, hi = ranges[i]
-            assert lo >= hi or start <= lo <= hi <= end, f"{unit.name}: {ranges[i]} is not held here"
-            local[i] = (lo - base, hi - base)
-            bases.append(base)
-        key = uuid.uuid4().hex
-        calls = [actor.snapshot.remote(key, local) for actor in self.actors]
-        segments = []
-        for a in range(len(self.actors)):
-            runs: list[tuple[int, int, int]] = []  # the chunks' parts in the actor's order, adjacent ones joined
-            for c in self._chunks(a):
-                lo, hi = max(local[c.unit][0], c.lo), min(local[c.unit][1], c.hi)
-                if lo >= hi:
-                    continue
-                start, end = bases[c.unit] + lo, bases[c.unit] + hi
-                if runs and runs[-1][0] == c.unit and runs[-1][2] == start:
-                    runs[-1] = (c.unit, runs[-1][1], end)
-                else:
-                    runs.append((c.unit, start, end))
-            segments.append(runs)
-        hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in self._hyper()]
-        return RemoteSnapshot(self, key, calls, segments, self.optimizer_name, hyper)
+        return remote_snapshot.take(self, ranges)
 
     # --- accounting and lifetime ----------------------------------------------------------------------
     def memory(self) -> dict[str, dict[str, int]]:
@@ -476,14 +458,16 @@ class ActorTier(OptimizerTier):
         for t in buffers:
             place = str(t.device)
             held["step_buffers"][place] = held["step_buffers"].get(place, 0) + t.numel() * t.element_size()
-        if self._grad_bytes:
-            held["step_buffers"]["cpu"] = held["step_buffers"].get("cpu", 0) + self._grad_bytes
+        shared = self._grad_bytes + sum(w.nbytes for w in self.windows if w is not None)
+        if shared:
+            held["step_buffers"]["cpu"] = held["step_buffers"].get("cpu", 0) + shared
         return held
 
     def report(self) -> dict:
         held = self.memory()
         steps = max(1, self.timings["steps"])
         return {"tier": "actors", "actors": len(self.actors), "node_ids": sorted(set(self.node_ids)),
+                "shared_memory": sum(w is not None for w in self.windows),  # actors on this node
                 "bytes_held": sum(sum(v.values()) for k, v in held.items() if k != "step_buffers"),
                 "step_s": self.timings["step_s"] / steps, "transfer_s": self.timings["transfer_s"] / steps,
                 "cpu_step_s": self.timings["cpu_step_s"] / steps}
@@ -493,7 +477,7 @@ class ActorTier(OptimizerTier):
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors = []
+        self.actors, self.windows = [], []
         if self._driver is not None:  # a background update still running fails at once, unread
             self._driver.shutdown()
             self._driver = None

@@ -16,6 +16,7 @@ from torch import nn
 
 from raydeep.tier.base import UnitRange
 from raydeep.tier.masters import MasterShards, Segment
+from raydeep.tier.shared_window import SharedWindow, WindowLayout
 
 
 def to_wire(t: torch.Tensor) -> np.ndarray:
@@ -75,6 +76,8 @@ class OffloadActor:
         self._terms: torch.Tensor | None = None  # with the lookahead: parameters, bases and rates, reused
         self._saved: tuple[str, torch.Tensor, dict[str, torch.Tensor]] | None = None  # (key, master, states)
         self._staged: list[tuple] | None = None  # a checkpoint's ranges read by ``stage``, until loaded
+        self.window: SharedWindow | None = None  # shared with a rank on this node (``shared_window``)
+        self._first = [sum(len(sg) for sg in sub_groups[:k]) for k in range(len(sub_groups))]  # chunk index
 
     def start(self, masters: list[np.ndarray], dtype_name: str) -> str:
         """Build the fp32 masters from the rank's parameters (model dtype); returns the node id."""
@@ -85,15 +88,25 @@ class OffloadActor:
         self.shards = MasterShards(self.sub_groups, fp32, self.group_options, self.make_optimizer)
         return ray.get_runtime_context().get_node_id()
 
-    def step(self, k: int, grads: list[np.ndarray], grad_dtype: str, scale: float,
-             hyper: list[dict], lookahead: bool = False) -> tuple[list[np.ndarray] | tuple, float]:
+    def open_window(self, path: str, layout: WindowLayout) -> bytes | None:
+        """Map the rank's shared window at ``path``; returns its header (the rank checks that we
+        see the same file), or None where this process does not see it."""
+        self.window = SharedWindow.open(path, layout)
+        return None if self.window is None else self.window.header()
+
+    def step(self, k: int, grads: list[np.ndarray] | None, grad_dtype: str, scale: float,
+             hyper: list[dict], lookahead: bool = False) -> tuple[list[np.ndarray] | tuple | None, float]:
         """Update sub-group ``k``; returns its chunks' parameters in the model dtype, or with
         ``lookahead`` their ``(bases, rates)`` (``raydeep.tier.lookahead``), and the seconds the CPU
-        step took."""
+        step took. ``grads`` None: the gradients are in the shared window, and the results go
+        there too (None is returned in their place)."""
         began = time.perf_counter()
         if k == 0:
             self.shards.peak_grad_bytes = {}
         self.shards.set_hyperparameters(hyper)
+        if grads is None:
+            self._step_in_window(k, scale, lookahead)
+            return None, time.perf_counter() - began
         dtype = dtype_of(grad_dtype)
         # The gradients are views of the object store's immutable buffers: never scaled in place.
         grads = [from_wire(a, dtype) for a in grads]
@@ -101,6 +114,19 @@ class OffloadActor:
             return self._step_with_terms(k, grads, scale), time.perf_counter() - began
         params = self.shards.step_sub_group(k, grads, scale, writable=False)
         return self._parameters(params), time.perf_counter() - began
+
+    def _step_in_window(self, k: int, scale: float, lookahead: bool) -> None:
+        """Update sub-group ``k`` from the window's gradients (the rank does not read them again:
+        an fp32 one may be scaled in place) into the window's result rows."""
+        window, chunks = self.window, range(self._first[k], self._first[k] + len(self.sub_groups[k]))
+        grads = [window.grad(i) for i in chunks]
+        if lookahead:  # the parameters too (the fused pass writes the terms beside them), unread
+            sizes = [c.numel for c in self.sub_groups[k]]
+            outs = torch.split(self._buffer(sum(sizes)), sizes)
+            self.shards.step_sub_group(k, grads, scale, outs=list(outs),
+                                       terms=[(window.out(0, i), window.out(1, i)) for i in chunks])
+        else:
+            self.shards.step_sub_group(k, grads, scale, outs=[window.out(0, i) for i in chunks])
 
     def _step_with_terms(self, k: int, grads: list[torch.Tensor], scale: float) -> tuple[list, list]:
         """Update sub-group ``k`` writing its chunks' lookahead ``base`` and ``rate`` in the model
@@ -121,14 +147,17 @@ class OffloadActor:
         return value into the object store before the next call runs, so reuse is safe)."""
         if self.model_dtype == torch.float32:
             return [to_wire(p.detach()) for p in params]
-        size = sum(p.numel() for p in params)
-        if self._out is None or self._out.numel() < size:
-            self._out = torch.empty(size, dtype=self.model_dtype)
-        out, offset = [], 0
+        buffer, out, offset = self._buffer(sum(p.numel() for p in params)), [], 0
         for p in params:
-            out.append(to_wire(self._out[offset:offset + p.numel()].copy_(p.detach())))
+            out.append(to_wire(buffer[offset:offset + p.numel()].copy_(p.detach())))
             offset += p.numel()
         return out
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """``size`` elements of one reused model-dtype buffer."""
+        if self._out is None or self._out.numel() < size:
+            self._out = torch.empty(size, dtype=self.model_dtype)
+        return self._out[:size]
 
     def export(self, ranges: dict[int, tuple[int, int]], with_optimizer: bool):
         segments = [Segment(s.unit, s.lo, s.hi, s.master.clone(), {k: v.clone() for k, v in s.states.items()})

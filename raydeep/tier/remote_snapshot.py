@@ -18,6 +18,7 @@ staged, and receives only the parameters in the model dtype.
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +78,68 @@ class RemoteSnapshot:
             for actor in self.tier.actors:
                 actor.discard_snapshot.remote(self.key)
             self.written = True
+
+
+def stage_load(tier, source, kinds: list[str], pieces_in) -> dict[str, str]:
+    """Phase 1 of a checkpoint load (``raydeep.checkpoint.restore``) done by ``tier``'s actors:
+    each reads its own chunks' ranges of state ``kinds`` (the fp32 master first) through
+    ``source`` (a ``CheckpointReader`` over a storage every actor reaches: an object store, or
+    the run's memory snapshots, whose files other offload actors may hold), verified, and stages
+    them, so nothing of the masters and states passes through the rank. The next
+    ``load_state_dict`` loads what was staged and does not read its ranges' tensors.
+    ``pieces_in(unit, start, end)`` gives the parameters' pieces of a unit's flat range. Returns
+    the staged state kinds and their dtypes; raises the checkpoint error an actor found (nothing
+    is loaded then)."""
+    from raydeep.errors import CheckpointError, CorruptCheckpointError
+
+    calls = [tier._call(actor.stage, source, _load_plan(tier, a, pieces_in), kinds)
+             for a, actor in enumerate(tier.actors)]
+    failures = [found for found in tier._get(calls) if found is not None]
+    if failures:
+        kind, message = failures[0]
+        raise (CorruptCheckpointError if kind == CorruptCheckpointError.__name__ else CheckpointError)(message)
+    return {kind: str(source.state_dtype(kind)).removeprefix("torch.") for kind in kinds[1:]}
+
+
+def _load_plan(tier, a: int, pieces_in) -> list[tuple]:
+    """Actor ``a``'s part of a load, as ``OffloadActor.stage`` takes it: per chunk, the range a
+    checkpoint holds of it (the unit's held range: padding excluded) and its parameters' pieces
+    there."""
+    plan = []
+    for c in tier._chunks(a):
+        unit = tier.units[c.unit]
+        start, end, base = unit.held_range()
+        lo, hi = max(start, base + c.lo), min(end, base + c.hi)
+        if lo < hi:
+            pieces = [(slot.name, s - slot.offset, e - slot.offset, s - lo) for slot, s, e in pieces_in(unit, lo, hi)]
+            plan.append((c.unit, lo - base, hi - base, pieces))
+    return plan
+
+
+def take(tier, ranges: list[tuple[int, int]]) -> RemoteSnapshot:
+    """``tier``'s snapshot over ``ranges`` (one flat range per unit), copied inside its actors
+    and held there (see the module docstring)."""
+    local, bases = {}, []
+    for i, unit in enumerate(tier.units):
+        start, end, base = unit.held_range()
+        lo, hi = ranges[i]
+        assert lo >= hi or start <= lo <= hi <= end, f"{unit.name}: {ranges[i]} is not held here"
+        local[i] = (lo - base, hi - base)
+        bases.append(base)
+    key = uuid.uuid4().hex
+    calls = [actor.snapshot.remote(key, local) for actor in tier.actors]
+    segments = []
+    for a in range(len(tier.actors)):
+        runs: list[tuple[int, int, int]] = []  # the chunks' parts in the actor's order, adjacent ones joined
+        for c in tier._chunks(a):
+            lo, hi = max(local[c.unit][0], c.lo), min(local[c.unit][1], c.hi)
+            if lo >= hi:
+                continue
+            start, end = bases[c.unit] + lo, bases[c.unit] + hi
+            if runs and runs[-1][0] == c.unit and runs[-1][2] == start:
+                runs[-1] = (c.unit, runs[-1][1], end)
+            else:
+                runs.append((c.unit, start, end))
+        segments.append(runs)
+    hyper = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in tier._hyper()]
+    return RemoteSnapshot(tier, key, calls, segments, tier.optimizer_name, hyper)

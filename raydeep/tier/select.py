@@ -70,6 +70,7 @@ class OffloadSettings:
     actors_per_rank: int = 1
     actor_cpus: float = 1.0
     tile: int = 1 << 22
+    shared_memory: bool = True  # offload actors on the rank's node: through /dev/shm, not the object store
     threads: int | None = None
     delayed: bool = False  # the delayed parameter update will ask for submit/complete
     lookahead: bool = True  # ... and land it as Adam's predicted next step (raydeep.tier.lookahead)
@@ -80,7 +81,8 @@ class OffloadSettings:
         zenflow = zero.zenflow is not None and zero.zenflow.overlap_step
         return cls(zero.stage, zero.sub_group_size, zero.offload_optimizer, options.offload_target,
                    options.offload_resource, options.offload_actors_per_rank, options.offload_actor_cpus,
-                   tile=options.offload_tile_size, threads=options.cpu_update_threads,
+                   tile=options.offload_tile_size, shared_memory=options.offload_shared_memory,
+                   threads=options.cpu_update_threads,
                    delayed=options.delayed_update or zenflow, lookahead=options.delayed_update_lookahead)
 
     @property
@@ -121,7 +123,8 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
                        "sub-group", offload.ratio)
     return ActorTier(units, group_options, make_optimizer, settings.sub_group_size,
                      offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus,
-                     threads=settings.threads, lookahead=lookahead, tile=settings.tile)
+                     threads=settings.threads, lookahead=lookahead, tile=settings.tile,
+                     shared_memory=settings.shared_memory)
 
 
 def rebuild_client_optimizer(cls: type, defaults: dict, param_groups: list[dict]) -> torch.optim.Optimizer:

@@ -302,6 +302,7 @@ def test_raydeep_train_writes_the_offload_section(cli_run, cluster, storage, tmp
         # one call after another, and so do the rank's own copies: neither can exceed the step.
         assert 0 < rank["cpu_step_s"] <= rank["step_s"], rank
         assert 0 < rank["transfer_s"] <= rank["step_s"], rank
+        assert rank["shared_memory"] == 0  # the actors are on the offload node, the ranks on trainer nodes
     plain = TrainSpec(ds_config=_config_file(tmp_path, False), num_workers=2, steps=STEPS, checkpoint_every=EVERY,
                       storage_path=str(storage), name="plain")
     assert cli_run["param_sha256"] == param_sha256(run_ranks(train_plain, 2, plain, STEPS)[0]["masters"])

@@ -13,6 +13,7 @@
   the scale and hyperparameters of submit time and writes ``unit.local`` only in ``_collect``;
 - the delayed update (``submit``/``complete``) takes the gradients at submit, runs every piece
   in the background, and lands at the next ``submit`` or ``complete``;
+- actors on the rank's own node exchange through shared memory, with the object store's bits;
 - the actors write a checkpoint's snapshot where they see the rank's staging location, and hand
   it to the rank where they do not (the same files); a snapshot costs the actors 12 bytes per
   element until written or discarded.
@@ -337,6 +338,74 @@ def test_the_lookahead_lands_in_the_actor_tier_as_in_the_host_tier(connected, fr
     finally:
         _close(tier)
         host.close()
+
+
+def _through_shared_memory(mode: str) -> dict:
+    """On the offload node, as a rank would run beside its actors: the same updates through a
+    tier whose actors share windows with this process and through one that uses the object
+    store; whether each update's parameters are equal, and what the step calls carried."""
+    import glob
+
+    lookahead = mode == "lookahead"
+    tiers, units = {}, {}
+    for shared in (True, False):
+        units[shared] = _units()
+        tiers[shared] = ActorTier(units[shared], [{}], ADAMW, 128, PLACEMENT, actors_per_rank=2, cpus_per_actor=0.5,
+                                  lookahead=lookahead, shared_memory=shared)
+    try:
+        out = {"windows": [w is not None for w in tiers[True].windows],
+               "store windows": [w is not None for w in tiers[False].windows],
+               "files left": glob.glob("/dev/shm/raydeep-offload-*"), "equal": []}
+        log = _spied(tiers[True])
+        for t in range(1, 4):
+            for shared, tier in tiers.items():
+                grads = _grads(units[shared], t)
+                if mode == "step":
+                    tier.step(grads, 0.5)
+                else:
+                    tier.submit(grads, 0.5)
+                    for g in grads:
+                        g.zero_()  # the engine clears them: the window holds its own copy
+                    tier.release()
+            out["equal"].append(all(torch.equal(a.local, b.local) for a, b in zip(units[True], units[False])))
+        for tier in tiers.values():
+            tier.complete()
+        out["equal"].append(all(torch.equal(a.local, b.local) for a, b in zip(units[True], units[False])))
+        out["step calls"] = [nbytes for _, method, nbytes in log if method == "step"]
+        out["sub-groups"] = len(tiers[True].sub_groups)
+        out["traffic"] = [tiers[True].traffic, tiers[False].traffic]
+        out["window bytes"] = tiers[True].memory()["step_buffers"].get("cpu", 0)
+        out["window size"] = sum(w.nbytes for w in tiers[True].windows)
+        out["reported"] = tiers[True].report()["shared_memory"]
+        return out
+    finally:
+        for tier in tiers.values():
+            _close(tier)
+
+
+@pytest.mark.parametrize("mode", ["step", "delayed", "lookahead"])
+def test_actors_on_the_ranks_node_exchange_through_shared_memory_with_the_same_bits(connected, mode):
+    """An offload actor on the rank's own node reads the gradients from, and writes its results
+    into, a window of shared memory (``raydeep.tier.shared_window``): its step calls carry no
+    arrays, the parameters are those of the object store's path bit for bit (plain steps, the
+    delayed update, its lookahead), and no file is left in /dev/shm. The rank runs here as a
+    task on the offload node, beside its actors; from this driver's node (no actor is on it)
+    the same tier uses the object store."""
+    found = ray.get(ray.remote(_through_shared_memory).options(num_cpus=0.5, **PLACEMENT).remote(mode))
+    print(f"\n{mode}: {found}")
+    assert found["windows"] == [True, True] and found["store windows"] == [False, False]
+    assert found["files left"] == []
+    assert found["equal"] == [True] * 4
+    assert found["step calls"] == [0] * (3 * found["sub-groups"])  # gradients and results in the window
+    assert found["traffic"][0] == found["traffic"][1]  # the same bytes, moved another way
+    assert found["window bytes"] == found["window size"] > 0
+    assert found["reported"] == 2
+    units = _units()
+    local = ActorTier(units, [{}], ADAMW, 128, PLACEMENT, actors_per_rank=1, cpus_per_actor=0.5)
+    try:
+        assert local.windows == [None]
+    finally:
+        local.close()
 
 
 def test_actors_write_their_snapshot_where_they_see_the_rank_write_and_hand_it_over_where_not(connected, tmp_path):
