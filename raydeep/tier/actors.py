@@ -56,9 +56,9 @@ from raydeep.tier.local import DEFAULT_TILE, wait_for_copies
 from raydeep.tier.lookahead import look_ahead, rate_buffers
 from raydeep.tier.masters import plan_sub_groups
 from raydeep.tier.pieces import pieces_of
+from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.tier.remote_snapshot import RemoteSnapshot, merged_parts
 from raydeep.tier.shared_window import WindowLayout
-from raydeep.tier.offload_actor import OffloadActor, from_wire, payload_bytes, to_wire, wire_states
 from raydeep.zero.flat import FlatUnit
 
 __all__ = ["ActorTier", "OffloadActor", "OffloadActorLost", "RemoteSnapshot", "StepHandle", "actors_owned_by", "fetch",

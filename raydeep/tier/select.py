@@ -57,6 +57,21 @@ def offload_nodes(marker: str) -> list[str]:
     return found
 
 
+def near_the_rank(placement: dict, nodes: list[str]) -> dict:
+    """``placement``, preferring this rank's own node where it is one of the offload ``nodes``
+    (a GPU node marked for offload too): actors there exchange with the rank through shared
+    memory (``raydeep.tier.shared_window``). Soft: with no room there they go to another marked
+    node. For a resource marker only (a node label selects by itself)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    if here not in nodes or "resources" not in placement:
+        return placement
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {**placement, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}
+
+
 @dataclass(frozen=True)
 class OffloadSettings:
     """What decides the tier: ``zero_optimization``'s stage, ``sub_group_size`` and
@@ -121,8 +136,9 @@ def select_tier(settings: OffloadSettings, units, group_options: list[dict], mak
     if offload.ratio < 1.0:
         logger.warning("offload_optimizer.ratio %s applies to the host tier; the actor tier offloads every "
                        "sub-group", offload.ratio)
-    return ActorTier(units, group_options, make_optimizer, settings.sub_group_size,
-                     offload_placement(settings.resource), settings.actors_per_rank, settings.actor_cpus,
+    placement = near_the_rank(offload_placement(settings.resource), nodes)
+    return ActorTier(units, group_options, make_optimizer, settings.sub_group_size, placement,
+                     settings.actors_per_rank, settings.actor_cpus,
                      threads=settings.threads, lookahead=lookahead, tile=settings.tile,
                      shared_memory=settings.shared_memory)
 

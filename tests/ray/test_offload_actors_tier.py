@@ -14,6 +14,7 @@
 - the delayed update (``submit``/``complete``) takes the gradients at submit, runs every piece
   in the background, and lands at the next ``submit`` or ``complete``;
 - actors on the rank's own node exchange through shared memory, with the object store's bits;
+  a rank on a marked node asks for its actors there first;
 - the actors write a checkpoint's snapshot where they see the rank's staging location, and hand
   it to the rank where they do not (the same files); a snapshot costs the actors 12 bytes per
   element until written or discarded.
@@ -406,6 +407,36 @@ def test_actors_on_the_ranks_node_exchange_through_shared_memory_with_the_same_b
         assert local.windows == [None]
     finally:
         local.close()
+
+
+def _chosen_on_this_node() -> dict:
+    """The tier ``select_tier`` builds for a rank on the offload node, and the placement it asks for."""
+    from types import SimpleNamespace
+
+    from raydeep.tier.select import OffloadSettings, offload_nodes, select_tier
+
+    settings = OffloadSettings(stage=2, sub_group_size=128, offload=SimpleNamespace(device="cpu", ratio=1.0),
+                               target="actors", resource=OFFLOAD_MARK, actor_cpus=0.5)
+    tier = select_tier(settings, _units(), [{}], ADAMW)
+    try:
+        strategy = tier.placement.get("scheduling_strategy")
+        return {"here": ray.get_runtime_context().get_node_id(), "marked": offload_nodes(OFFLOAD_MARK),
+                "near": (strategy.node_id, strategy.soft) if strategy is not None else None,
+                "windows": [w is not None for w in tier.windows]}
+    finally:
+        tier.close()
+
+
+def test_a_rank_on_an_offload_node_asks_for_its_actors_there_first(connected):
+    """A rank whose own node is marked for offload (a GPU node lending its spare CPUs) asks for
+    its actors on that node, softly (another marked node takes them when it is full), and
+    shares windows with them; a rank elsewhere asks for any marked node."""
+    from raydeep.tier.select import near_the_rank, offload_nodes
+
+    found = ray.get(ray.remote(_chosen_on_this_node).options(num_cpus=0.5, **PLACEMENT).remote())
+    assert found["marked"] == [found["here"]]
+    assert found["near"] == (found["here"], True) and found["windows"] == [True]
+    assert near_the_rank(PLACEMENT, offload_nodes(OFFLOAD_MARK)) == PLACEMENT  # this driver's node is not marked
 
 
 def test_actors_write_their_snapshot_where_they_see_the_rank_write_and_hand_it_over_where_not(connected, tmp_path):
