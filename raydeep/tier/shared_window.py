@@ -112,6 +112,16 @@ class SharedWindow:
         if free.f_bavail * free.f_frsize < 2 * layout.nbytes:
             return None
         path = os.path.join(ROOT, name)
+        # Every page is allocated now: a sparse file would fail later, with SIGBUS on first
+        # touch, if /dev/shm filled up meanwhile (the object store grows there too).
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, layout.nbytes)
+        except OSError:
+            unlink(path)
+            return None
+        finally:
+            os.close(fd)
         memory = torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8)
         memory[:HEADER].copy_(torch.frombuffer(bytearray(secrets.token_bytes(HEADER)), dtype=torch.uint8))
         return cls(memory, layout), path

@@ -53,3 +53,28 @@ def test_no_window_where_the_file_is_not_the_ranks():
         assert SharedWindow.open(path, smaller) is None  # another layout: not this window
     finally:
         shared_window.unlink(path)
+
+
+def test_no_window_where_dev_shm_has_no_room_and_nothing_left_behind(monkeypatch):
+    """Too little free space, or an allocation /dev/shm refuses (ENOSPC): no window, no file (the
+    tier keeps the object store). The pages are allocated at creation, so a /dev/shm that fills
+    up later cannot fail a step with SIGBUS."""
+    import errno
+
+    layout = _layout()
+    name = f"raydeep-test-{uuid.uuid4().hex}"
+    real = os.statvfs(shared_window.ROOT)
+
+    class Full:
+        f_bavail, f_frsize = (2 * layout.nbytes - 1) // real.f_frsize, real.f_frsize
+
+    monkeypatch.setattr(shared_window.os, "statvfs", lambda _: Full)
+    assert SharedWindow.create(name, layout) is None
+    monkeypatch.undo()
+
+    def refused(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_window.os, "posix_fallocate", refused)
+    assert SharedWindow.create(name, layout) is None
+    assert not os.path.exists(os.path.join(shared_window.ROOT, name))
