@@ -154,8 +154,10 @@ class ActorTier(OptimizerTier):
         self.windows = shared_window.share(self.actors, [self._layout(a) if shared_memory and node == here else None
                                                          for a, node in enumerate(self.node_ids)], tag)
         # Each sub-group's chunks' indices in its actor's order (its window's).
-        self._in_window = [range(sum(len(sg) for sg in self._mine(a)[:j]), sum(len(sg) for sg in self._mine(a)[:j + 1]))
-                           for a, j in self.owner]
+        self._in_window, at = [], [0] * len(self.actors)
+        for k, (a, _) in enumerate(self.owner):
+            self._in_window.append(range(at[a], at[a] + len(self.sub_groups[k])))
+            at[a] += len(self.sub_groups[k])
         self.timings = {"steps": 0, "step_s": 0.0, "cpu_step_s": 0.0, "transfer_s": 0.0}
 
     def _mine(self, a: int) -> list[list]:
@@ -298,8 +300,8 @@ class ActorTier(OptimizerTier):
             k, call = handle.in_flight.popleft()
             arrays, seconds = self._get(call)
             if arrays is None:  # in the shared window: counted here, as ``_get`` counts arrays
-                window = self.windows[self.owner[k][0]].layout
-                self.traffic["received"] += (sum(c.numel for c in self.sub_groups[k]) * window.out_dtype.itemsize
+                layout = self.windows[self.owner[k][0]].layout
+                self.traffic["received"] += (sum(c.numel for c in self.sub_groups[k]) * layout.out_dtype.itemsize
                                              * (1 + handle.lookahead))
             self._send(handle)  # the freed place first: the actor gets its next piece while we copy
             started = time.perf_counter()

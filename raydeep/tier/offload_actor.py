@@ -77,7 +77,9 @@ class OffloadActor:
         self._saved: tuple[str, torch.Tensor, dict[str, torch.Tensor]] | None = None  # (key, master, states)
         self._staged: list[tuple] | None = None  # a checkpoint's ranges read by ``stage``, until loaded
         self.window: SharedWindow | None = None  # shared with a rank on this node (``shared_window``)
-        self._first = [sum(len(sg) for sg in sub_groups[:k]) for k in range(len(sub_groups))]  # chunk index
+        self._first = [0]  # each sub-group's first chunk, in this actor's chunk order
+        for sg in sub_groups:
+            self._first.append(self._first[-1] + len(sg))
 
     def start(self, masters: list[np.ndarray], dtype_name: str) -> str:
         """Build the fp32 masters from the rank's parameters (model dtype); returns the node id."""
