@@ -10,7 +10,8 @@ drivers, two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node
   per rank (sub-group k goes to actor k mod 2); the other stages 1 each: which actor owns a
   sub-group does not depend on the stage, and every actor is a process to start.
 - Placement: the actors run on the offload node, by node id; with no marked node, ``auto`` takes
-  the host tier.
+  the host tier. A rank on the offload node gets its actors beside it, through shared memory,
+  with the object store's bits (the delayed update with its lookahead).
 - Memory, measured from the tensors each process really holds (tests/ray/tensors.py), not from
   raydeep's accounting: the rank keeps no fp32 master or optimizer state, its offload actors hold
   ZeRO's 12 bytes per element of the rank's shard, and ``memory_breakdown()`` agrees with both.
@@ -195,6 +196,49 @@ def _cross_load(address: str, checkpoints: str) -> dict:
         return out
     finally:
         ray.shutdown()
+
+
+def _engine_beside_its_actors() -> dict:
+    """One gloo rank on the offload node (a GPU node marked for offload would be the same): the
+    delayed update with its lookahead over 2 offload actors, through shared memory and through
+    the object store; each run's losses, parameters and offload report."""
+    import torch.distributed as dist
+
+    import raydeep
+    from tests.dist.checkpoint_workloads import full_params
+    from tests.dist.harness import free_port
+    from tests.dist.workloads import run_steps, tiny_gpt
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        out = {}
+        for shared in (True, False):
+            cfg = _config(2, "bf16", True, gas=4, actors_per_rank=2)
+            cfg["raydeep"].update(offload_shared_memory=shared, delayed_update=True, delayed_update_warmup_steps=1)
+            engine, *_ = raydeep.initialize(model=tiny_gpt(), config=cfg)
+            losses = run_steps(engine, 4, 8)
+            engine.tier.complete()
+            out[shared] = {"losses": losses, "params": full_params(engine), "report": engine.tier.report()}
+            engine.destroy()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_engine_beside_its_offload_actors_trains_through_shared_memory_with_the_same_bits(shared_ray):
+    """The engine whose rank runs on an offload node: its actors are placed on its node and share
+    memory with it, and the delayed update with the lookahead trains bit for bit as through the
+    object store."""
+    from tests.ray.conftest import OFFLOAD_MARK
+
+    found = ray.get(ray.remote(_engine_beside_its_actors).options(num_cpus=0.5, resources={OFFLOAD_MARK: 0.001})
+                    .remote())
+    shared, store = found[True], found[False]
+    assert shared["report"]["shared_memory"] == 2 and store["report"]["shared_memory"] == 0
+    assert shared["report"]["node_ids"] == store["report"]["node_ids"] == [shared_ray.offload.node_id]
+    assert shared["losses"] == store["losses"]
+    for name, value in shared["params"].items():
+        assert torch.equal(value, store["params"][name]), name
 
 
 def test_checkpoints_cross_load_between_actors_and_none_at_another_world_size(parity, cluster, checkpoints):
