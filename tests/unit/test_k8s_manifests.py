@@ -102,9 +102,17 @@ def test_pods_one_gpu_rank_each_and_shared_run_storage(doc):
     for pod in pod_specs(spec):
         (container,) = pod["containers"]
         images.add(container["image"])
-        volumes = {volume["name"]: volume["persistentVolumeClaim"]["claimName"] for volume in pod["volumes"]}
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
         mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
-        assert mounts["/mnt/cluster_storage"] in claims
+        assert mounts["/mnt/cluster_storage"]["persistentVolumeClaim"]["claimName"] in claims
+    for group in spec["workerGroupSpecs"]:
+        # /dev/shm in memory on every worker: Ray's object store lives there, and so do the windows
+        # offload actors share with ranks on their node (a container's default is 64 MiB)
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        (shm,) = [volumes[m["name"]] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert shm["emptyDir"]["medium"] == "Memory", group["groupName"]
     assert len(images) == 1
     assert gpu_groups(spec)
     for group in gpu_groups(spec):
