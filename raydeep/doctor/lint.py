@@ -254,7 +254,7 @@ def _live_parameters(cfg: RaydeepConfig, shape: ModelShape, cluster: Cluster) ->
 def _offload_without_pin_memory(cfg: RaydeepConfig, shape: ModelShape, cluster: Cluster) -> list[Finding]:
     zero, found = cfg.zero_optimization, []
     opt, param = zero.offload_optimizer, zero.offload_param
-    # Offload actors receive gradients through the object store: only the host tier pins.
+    # Offload actors receive gradients through the object store or a shared window: only the host tier pins.
     host_tier = cfg.raydeep.offload_target != "actors"
     if opt and opt.device == "cpu" and zero.stage >= 1 and not opt.pin_memory and host_tier:
         key = _key(cfg, "zero_optimization.offload_optimizer.pin_memory")
