@@ -341,13 +341,13 @@ def test_the_lookahead_lands_in_the_actor_tier_as_in_the_host_tier(connected, fr
         host.close()
 
 
-def _through_shared_memory(mode: str) -> dict:
-    """On the offload node, as a rank would run beside its actors: the same updates through a
-    tier whose actors share windows with this process and through one that uses the object
-    store; whether each update's parameters are equal, and what the step calls carried."""
+def _updates_both_ways(lookahead: bool, modes: list[str]) -> dict:
+    """The same updates through a tier whose actors share windows with this process and through
+    one that uses the object store, for each of ``modes`` in turn (plain steps; the delayed update,
+    with ``lookahead`` or not): whether the parameters are equal after each update, and what the
+    step calls carried."""
     import glob
 
-    lookahead = mode == "lookahead"
     tiers, units = {}, {}
     for shared in (True, False):
         units[shared] = _units()
@@ -356,24 +356,25 @@ def _through_shared_memory(mode: str) -> dict:
     try:
         out = {"windows": [w is not None for w in tiers[True].windows],
                "store windows": [w is not None for w in tiers[False].windows],
-               "files left": glob.glob("/dev/shm/raydeep-offload-*"), "equal": []}
+               "files left": glob.glob("/dev/shm/raydeep-offload-*"), "sub-groups": len(tiers[True].sub_groups)}
         log = _spied(tiers[True])
-        for t in range(1, 4):
-            for shared, tier in tiers.items():
-                grads = _grads(units[shared], t)
-                if mode == "step":
-                    tier.step(grads, 0.5)
-                else:
-                    tier.submit(grads, 0.5)
-                    for g in grads:
-                        g.zero_()  # the engine clears them: the window holds its own copy
-                    tier.release()
-            out["equal"].append(all(torch.equal(a.local, b.local) for a, b in zip(units[True], units[False])))
-        for tier in tiers.values():
-            tier.complete()
-        out["equal"].append(all(torch.equal(a.local, b.local) for a, b in zip(units[True], units[False])))
-        out["step calls"] = [nbytes for _, method, nbytes in log if method == "step"]
-        out["sub-groups"] = len(tiers[True].sub_groups)
+        for mode in modes:
+            equal, first = [], len(log)
+            for t in range(1, 4):
+                for shared, tier in tiers.items():
+                    grads = _grads(units[shared], t)
+                    if mode == "step":
+                        tier.step(grads, 0.5)
+                    else:
+                        tier.submit(grads, 0.5)
+                        for g in grads:
+                            g.zero_()  # the engine clears them: the window holds its own copy
+                        tier.release()
+                equal.append(all(torch.equal(a.local, b.local) for a, b in zip(units[True], units[False])))
+            for tier in tiers.values():
+                tier.complete()
+            equal.append(all(torch.equal(a.local, b.local) for a, b in zip(units[True], units[False])))
+            out[mode] = {"equal": equal, "step calls": [n for _, method, n in log[first:] if method == "step"]}
         out["traffic"] = [tiers[True].traffic, tiers[False].traffic]
         out["window bytes"] = tiers[True].memory()["step_buffers"].get("cpu", 0)
         out["window size"] = sum(w.nbytes for w in tiers[True].windows)
@@ -382,31 +383,6 @@ def _through_shared_memory(mode: str) -> dict:
     finally:
         for tier in tiers.values():
             _close(tier)
-
-
-@pytest.mark.parametrize("mode", ["step", "delayed", "lookahead"])
-def test_actors_on_the_ranks_node_exchange_through_shared_memory_with_the_same_bits(connected, mode):
-    """An offload actor on the rank's own node reads the gradients from, and writes its results
-    into, a window of shared memory (``raydeep.tier.shared_window``): its step calls carry no
-    arrays, the parameters are those of the object store's path bit for bit (plain steps, the
-    delayed update, its lookahead), and no file is left in /dev/shm. The rank runs here as a
-    task on the offload node, beside its actors; from this driver's node (no actor is on it)
-    the same tier uses the object store."""
-    found = ray.get(ray.remote(_through_shared_memory).options(num_cpus=0.5, **PLACEMENT).remote(mode))
-    print(f"\n{mode}: {found}")
-    assert found["windows"] == [True, True] and found["store windows"] == [False, False]
-    assert found["files left"] == []
-    assert found["equal"] == [True] * 4
-    assert found["step calls"] == [0] * (3 * found["sub-groups"])  # gradients and results in the window
-    assert found["traffic"][0] == found["traffic"][1]  # the same bytes, moved another way
-    assert found["window bytes"] == found["window size"] > 0
-    assert found["reported"] == 2
-    units = _units()
-    local = ActorTier(units, [{}], ADAMW, 128, PLACEMENT, actors_per_rank=1, cpus_per_actor=0.5)
-    try:
-        assert local.windows == [None]
-    finally:
-        local.close()
 
 
 def _chosen_on_this_node() -> dict:
@@ -427,16 +403,57 @@ def _chosen_on_this_node() -> dict:
         tier.close()
 
 
-def test_a_rank_on_an_offload_node_asks_for_its_actors_there_first(connected):
+def _beside_the_actors() -> dict:
+    """Run on the offload node, as a rank would run beside its actors (one task for all of it:
+    each task and actor is a process to start)."""
+    return {"plain": _updates_both_ways(False, ["step", "delayed"]), "lookahead": _updates_both_ways(True, ["delayed"]),
+            "chosen": _chosen_on_this_node()}
+
+
+@pytest.fixture(scope="module")
+def beside_the_actors(shared_ray) -> dict:
+    from tests.ray.conftest import connect
+
+    connect(shared_ray.address)
+    found = ray.get(ray.remote(_beside_the_actors).options(num_cpus=0.5, **PLACEMENT).remote())
+    print(f"\nbeside the actors: {found}")
+    return found
+
+
+@pytest.mark.parametrize("lookahead,mode", [(False, "step"), (False, "delayed"), (True, "delayed")])
+def test_actors_on_the_ranks_node_exchange_through_shared_memory_with_the_same_bits(beside_the_actors, lookahead,
+                                                                                   mode):
+    """An offload actor on the rank's own node reads the gradients from, and writes its results
+    into, a window of shared memory (``raydeep.tier.shared_window``): its step calls carry no
+    arrays, the parameters are those of the object store's path bit for bit (plain steps, the
+    delayed update, its lookahead), and no file is left in /dev/shm. The rank runs as a task on
+    the offload node, beside its actors; from this driver's node (no actor is on it) the same
+    tier uses the object store."""
+    found = beside_the_actors["lookahead" if lookahead else "plain"]
+    assert found["windows"] == [True, True] and found["store windows"] == [False, False]
+    assert found["files left"] == []
+    assert found[mode]["equal"] == [True] * 4
+    assert found[mode]["step calls"] == [0] * (3 * found["sub-groups"])  # gradients and results in the window
+    assert found["traffic"][0] == found["traffic"][1]  # the same bytes, moved another way
+    assert found["window bytes"] == found["window size"] > 0
+    assert found["reported"] == 2
+
+
+def test_a_rank_on_an_offload_node_asks_for_its_actors_there_first(beside_the_actors):
     """A rank whose own node is marked for offload (a GPU node lending its spare CPUs) asks for
     its actors on that node, softly (another marked node takes them when it is full), and
     shares windows with them; a rank elsewhere asks for any marked node."""
     from raydeep.tier.select import near_the_rank, offload_nodes
 
-    found = ray.get(ray.remote(_chosen_on_this_node).options(num_cpus=0.5, **PLACEMENT).remote())
+    found = beside_the_actors["chosen"]
     assert found["marked"] == [found["here"]]
     assert found["near"] == (found["here"], True) and found["windows"] == [True]
     assert near_the_rank(PLACEMENT, offload_nodes(OFFLOAD_MARK)) == PLACEMENT  # this driver's node is not marked
+    elsewhere = ActorTier(_units(), [{}], ADAMW, 128, PLACEMENT, actors_per_rank=1, cpus_per_actor=0.5)
+    try:
+        assert elsewhere.windows == [None] and elsewhere.report()["shared_memory"] == 0
+    finally:
+        elsewhere.close()
 
 
 def test_actors_write_their_snapshot_where_they_see_the_rank_write_and_hand_it_over_where_not(connected, tmp_path):
