@@ -28,11 +28,12 @@ that is ``_collect`` itself, reading the gradient shards where they are, so they
 until it returns. The delayed parameter update (``submit``/``complete``, the engine's
 ``raydeep.delayed_update``) runs while the next forward and backward do, after the engine has
 cleared the gradients: there ``_submit`` copies the gradients once, into the object store (2
-bytes per element of the shard in bf16, freed piece by piece as the actors finish with them), a
-driver thread sends the pieces and takes the results, and ``_collect`` waits for it and lands
-them in ``unit.local``. A CPU rank lands them from the object store's buffers; on an accelerator
-the driver copies them into held host buffers as they arrive (2 bytes per element, 4 with the
-lookahead), which travel to the device at landing.
+bytes per element of the shard in bf16, freed piece by piece as the actors finish with them) or
+the shared window, a driver thread sends the pieces and takes the results, and ``_collect``
+waits for it and lands them in ``unit.local``. A CPU rank lands them where they arrived (the
+object store's buffers, or the window); on an accelerator the driver copies them into held host
+buffers as they arrive (2 bytes per element, 4 with the lookahead), which travel to the device
+at landing.
 
 Checkpoints (``remote_snapshot``, ``remote_load``): ``raydeep.tier.remote_snapshot``.
 Fault model and ownership: ``raydeep.tier.actor_faults``.
@@ -83,8 +84,8 @@ class StepHandle:
     in_flight: deque = field(default_factory=deque)  # (sub-group, call), oldest first
     out: list[torch.Tensor] = field(default_factory=list)  # where results go: each ``unit.local``, or held
     rates: list[torch.Tensor] = field(default_factory=list)  # with the lookahead: where its rates go (held)
-    in_store: bool = False  # background on a CPU rank: results stay in the object store until landed
-    results: dict[int, list] = field(default_factory=dict)  # ... each sub-group's arrays there
+    in_store: bool = False  # background on a CPU rank: results stay where they arrived until landed
+    results: dict[int, list] = field(default_factory=dict)  # ... each sub-group's arrays (None: in its window)
     driver: Future | None = None  # the thread running ``_drive``, in the background
     held_back: bool = False  # submitted, nothing sent yet: ``release`` sends
     copying: float = 0.0  # seconds this process spent copying gradients and parameters and sending
