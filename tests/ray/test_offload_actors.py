@@ -131,7 +131,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def parity(cluster, checkpoints) -> dict:
-    return run_ranks(_parity, 2, cluster[0].address, PARITY, str(checkpoints), fresh=True)[0]
+    return run_ranks(_parity, 2, cluster[0].address, PARITY, str(checkpoints))[0]
 
 
 @pytest.mark.parametrize("stage,precision", PARITY)
@@ -242,7 +242,7 @@ def test_an_engine_beside_its_offload_actors_trains_through_shared_memory_with_t
 
 
 def test_checkpoints_cross_load_between_actors_and_none_at_another_world_size(parity, cluster, checkpoints):
-    results = run_ranks(_cross_load, 1, cluster[0].address, str(checkpoints), fresh=True)[0]
+    results = run_ranks(_cross_load, 1, cluster[0].address, str(checkpoints))[0]
     reference = results[("none", "none")]
     assert results[("none", "actors")]["tier"] == "ActorTier" and reference["tier"] == "LocalTier"
     for pair in (("actors", "none"), ("none", "actors")):

@@ -107,7 +107,7 @@ def _load_and_continue(address: str, directory: str, loads: list[tuple[str, bool
 @pytest.fixture(scope="module")
 def saved(shared_ray, tmp_path_factory) -> tuple[str, list[dict]]:
     directory = tmp_path_factory.mktemp("actor-saves")
-    return str(directory), run_ranks(_save_and_continue, 2, shared_ray.address, str(directory), fresh=True)
+    return str(directory), run_ranks(_save_and_continue, 2, shared_ray.address, str(directory))
 
 
 def test_the_rank_receives_no_master_or_state_bytes_during_a_save(saved):
@@ -145,13 +145,13 @@ def test_the_actor_written_checkpoints_hold_the_rank_written_values(saved):
 
 def test_an_actor_written_checkpoint_continues_bitwise_at_the_same_and_another_world_size(saved, shared_ray):
     directory, ranks = saved
-    same = run_ranks(_load_and_continue, 2, shared_ray.address, directory, [("by-actors", True)], fresh=True)[0]
+    same = run_ranks(_load_and_continue, 2, shared_ray.address, directory, [("by-actors", True)])[0]
     resumed = same[("by-actors", True)]
     assert resumed["tier"] == "ActorTier" and resumed["losses"] == ranks[0]["losses"]
     assert all(torch.equal(resumed["params"][k], v) for k, v in ranks[0]["params"].items())
 
     loads = [("by-rank", False), ("by-actors", False), ("by-actors", True)]
-    other = run_ranks(_load_and_continue, 1, shared_ray.address, directory, loads, fresh=True)[0]
+    other = run_ranks(_load_and_continue, 1, shared_ray.address, directory, loads)[0]
     reference = other[("by-rank", False)]
     assert other[("by-actors", True)]["tier"] == "ActorTier" and reference["tier"] == "LocalTier"
     for load in loads[1:]:
@@ -192,7 +192,7 @@ def _interrupted_save(address: str, directory: str) -> dict:
 def test_an_actor_lost_during_a_save_leaves_the_previous_checkpoint_whole(shared_ray, tmp_path):
     from raydeep.checkpoint import CheckpointReader
 
-    out = run_ranks(_interrupted_save, 1, shared_ray.address, str(tmp_path), fresh=True)[0]
+    out = run_ranks(_interrupted_save, 1, shared_ray.address, str(tmp_path))[0]
     assert out["error"] and "lost" in out["error"]
     assert (tmp_path / "latest").read_text() == "global_step1"
     assert not (tmp_path / "global_step2").exists()  # never moved into place: no manifest, never loaded

@@ -113,7 +113,7 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
 
     store = SnapshotStore.options(name=STORE, namespace=NAMESPACE).remote()
     try:
-        first = run_ranks(_attempt, 2, shared_ray.address, "first", str(tmp_path), None, fresh=True)
+        first = run_ranks(_attempt, 2, shared_ray.address, "first", str(tmp_path), None)
         here, in_actors = ray.get(store.bytes_held.remote()), ray.get(store.bytes_held_by_actors.remote())
         shard = sum(r["shard"] for r in first)
         print(f"\nsnapshot of {shard:,} elements in 2 ranks: {here:,} bytes in the store, {in_actors:,} held by the "
@@ -128,7 +128,7 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
         nodes = {node for node, _ in ray.get([holder.node_room.remote() for holder, _ in holders])}
         assert nodes == {shared_ray.offload.node_id}
 
-        again = run_ranks(_attempt, 2, shared_ray.address, "second", str(tmp_path), "snapshot", fresh=True)
+        again = run_ranks(_attempt, 2, shared_ray.address, "second", str(tmp_path), "snapshot")
         assert again[0]["tier"] == "ActorTier" and _same(again[0], first[0])
         # Each rank adopted its predecessor's actors (no new ones, no new CPUs), which read their
         # own parts of the snapshot in their own memory: what reached each rank is its parameters
@@ -141,7 +141,7 @@ def test_a_snapshot_held_by_offload_actors_that_outlive_their_ranks(shared_ray, 
             assert rank["received"] <= 2 * shard_of["shard"] + 0.05 * in_actors
 
         loads = [("third-none", "checkpoint"), ("fourth-none", "snapshot"), ("fifth", "snapshot")]
-        one = [run_ranks(_attempt, 1, shared_ray.address, attempt, str(tmp_path), load, fresh=True)[0]
+        one = [run_ranks(_attempt, 1, shared_ray.address, attempt, str(tmp_path), load)[0]
                for attempt, load in loads]
         assert one[0]["tier"] == "LocalTier" and one[2]["tier"] == "ActorTier"
         assert one[2]["received"] <= 2 * shard + 0.05 * in_actors  # resharded 2 -> 1 by the actors
