@@ -445,6 +445,8 @@ def test_a_lost_trainer_node_resumes_on_one_worker_from_the_memory_snapshot(cli_
                      resources_per_worker={"trainer": 1})
     summary, loss = fit_losing_the_node_of_rank_one(shared_ray, spec, after_step=EVERY + 1, settle=True)
     assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1
+    last = summary["attempts"][-1]
+    assert (last["micro_batch"], last["grad_accum"]) == (4, 4)  # the same 16 samples a step
     on_one = next(a for a in loss.attempts if a["world_size"] == 1)
     print(f"\nnode of rank 1 removed at step {loss.step} (offload actors): continued on 1 worker from step "
           f"{on_one['resumed_from_step']} ({on_one['restored_from']})")

@@ -1,14 +1,17 @@
 """raydeep on Ray Train, on one simulated cluster (``ray.cluster_utils.Cluster``: a head for the
 drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once data, a SIGKILLed
 worker, memory snapshots (a restart between checkpoints, a lost snapshot store), a driver restart, and
-finally, under elastic runs, a drained (preempted) node and the loss of a node.
+finally, under an elastic run, a drained (preempted) node. The unplanned loss of a node is
+tests/ray/test_offload_actors.py's (with the actor tier, through :func:`fit_losing_the_node_of_rank_one`
+here): the drained run resumes from the same memory snapshots, resharded 2 to 1, and the same
+recovery follows whichever way the worker group ended.
 
 Every run is checked against one uninterrupted run: the tiny GPT, ZeRO-3, 2 workers, 16 steps of
 16 samples, a checkpoint every 4 steps. Equal ``param_sha256`` means bitwise-equal consolidated
 fp32 parameters; equal ``samples_sha256`` means the same sample ids in the same order (see
 raydeep.ray.ledger). The tests run in file order on the package's shared cluster
-(tests/ray/conftest.py); the drain and node-loss tests, which remove a node (and put a new one in
-its place), come last.
+(tests/ray/conftest.py); the drain test, which removes a node (and puts a new one in its place),
+comes last.
 """
 from __future__ import annotations
 
@@ -466,42 +469,11 @@ def test_a_drained_node_moves_the_run_without_losing_a_step(shared_ray, uninterr
     assert drain.node_id is not None, "the run ended before the node could be drained"
     assert drain.accepted[0], drain.accepted
     assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1 and summary["restarts"] == 1
+    last = summary["attempts"][-1]
+    assert (last["micro_batch"], last["grad_accum"]) == (8, 2)  # the same 16 samples a step
     recovery = summary["recoveries"][0]
     print(f"\nnode of rank 1 drained at step {drain.step} (deadline 1 s): {recovery}")
     check_resumed_from_the_newest_state(recovery, EVERY)
     assert recovery["resumed_from_step"] > drain.step and recovery["steps_lost"] == 0, recovery
     assert summary["samples_sha256"] == expected_samples_sha256()
     assert summary["param_sha256"] == uninterrupted["param_sha256"]
-
-
-def test_node_loss_continues_on_one_worker_with_the_same_batch(shared_ray, uninterrupted, storage, monkeypatch):
-    """Elastic run (1 to 2 workers, on the shared cluster's two trainer nodes) with a memory
-    snapshot every step: the node of rank 1 disappears; the run continues on the other from the
-    newest snapshot (not the last checkpoint) with the same global batch (twice the
-    accumulation), its ZeRO-3 state resharded from 2 ranks to 1 out of the driver's memory, the
-    same samples, and the uninterrupted run's loss and weights up to rounding. A new trainer node
-    then takes the lost one's place, for the modules that follow.
-
-    A worker group that cannot be placed is given up on after 3 s (Ray Train's wait for its
-    placement group, which starting the actors is not part of) and retried at the size that fits."""
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")  # read by the controller fit() starts
-    spec = spec_for(storage, "elastic", num_workers=(1, 2), export_fp32=True, resources_per_worker={"trainer": 1},
-                    ds_config=snapshot_config())
-    summary, loss = fit_losing_the_node_of_rank_one(shared_ray, spec, after_step=EVERY + 2)
-    assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1
-    last = summary["attempts"][-1]
-    assert (last["micro_batch"], last["grad_accum"]) == (8, 2)  # the same 16 samples a step
-    assert summary["global_samples"] == STEPS * BATCH
-    assert summary["samples_sha256"] == expected_samples_sha256()
-    loss_gap = abs(summary["final_loss"] - uninterrupted["final_loss"])
-    param_gap = max_abs_difference(load_fp32(f"{spec.run_uri}/model_fp32.safetensors"),
-                                   load_fp32(str(storage / "uninterrupted" / "model_fp32.safetensors")))
-    on_one = next(a for a in loss.attempts if a["world_size"] == 1)
-    check_resumed_from_the_newest_state(on_one, EVERY)
-    assert on_one["resumed_from_step"] >= loss.step - 1  # at most the step in flight is trained again
-    print(f"\nnode of rank 1 removed at step {loss.step}: continued on 1 worker from step "
-          f"{on_one['resumed_from_step']}, first step {on_one['first_step_at'] - loss.removed_at:.1f} s after the "
-          f"removal; world sizes {summary['world_sizes']}; final loss {summary['final_loss']:.6f} vs "
-          f"{uninterrupted['final_loss']:.6f} uninterrupted; max |dtheta| {param_gap:.2g}")
-    assert loss_gap <= 1e-3
-    assert param_gap <= 1e-3
