@@ -429,6 +429,42 @@ def test_a_killed_rank_resumes_from_the_memory_snapshot_its_actors_wrote(cli_run
     assert _eventually(_nothing_left)
 
 
+class RemoveNodeOfRankOne:
+    """on_progress callback: remove the node running rank 1 once the run is past ``after_step``."""
+
+    def __init__(self, cluster, nodes, after_step: int):
+        self.cluster, self.nodes, self.after_step = cluster, nodes, after_step
+        self.removed, self.step, self.attempts = None, None, []
+
+    def __call__(self, snapshot: dict) -> None:
+        self.attempts, latest = snapshot["attempts"], snapshot["latest"]
+        if self.removed is not None or not latest or latest["step"] < self.after_step:
+            return
+        workers = self.attempts[0]["workers"]
+        if 1 in workers:
+            node = next(n for n in self.nodes if n.node_id == workers[1]["node_id"])
+            self.removed, self.step = node, latest["step"]
+            self.cluster.remove_node(node, allow_graceful=False)
+
+
+def fit_losing_the_node_of_rank_one(shared_ray, spec, after_step: int):
+    """``fit(spec)`` while the node of rank 1 is removed past ``after_step``; a new trainer node
+    takes its place afterwards, and Ray Train sees both trainer nodes again before this returns
+    (test_trainer.py's elastic run follows). Returns the summary and the :class:`RemoveNodeOfRankOne`."""
+    from raydeep.ray import fit
+    from tests.ray.test_trainer import _wait_for_free_trainers
+
+    loss = RemoveNodeOfRankOne(shared_ray.cluster, shared_ray.trainers, after_step=after_step)
+    try:
+        summary = fit(spec, on_progress=loss)
+    finally:
+        if loss.removed is not None:
+            shared_ray.replace_trainer(loss.removed)
+            _wait_for_free_trainers(2)
+    assert loss.removed is not None, "the run ended before the node could be removed"
+    return summary, loss
+
+
 def test_a_lost_trainer_node_resumes_on_one_worker_from_the_memory_snapshot(cli_run, shared_ray, storage, tmp_path,
                                                                            monkeypatch):
     """The same with a resize: the node of rank 1 is removed (its rank and that rank's offload
@@ -437,13 +473,13 @@ def test_a_lost_trainer_node_resumes_on_one_worker_from_the_memory_snapshot(cli_
     the same samples and the uninterrupted run's loss to bf16's precision. A new trainer node then
     takes the lost one's place."""
     from raydeep.ray import TrainSpec
-    from tests.ray.test_trainer import check_resumed_from_the_newest_state, fit_losing_the_node_of_rank_one
+    from tests.ray.test_trainer import check_resumed_from_the_newest_state
 
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")  # read by the controller fit() starts
     spec = TrainSpec(ds_config=_config_file(tmp_path, True, snapshot_every=1), num_workers=(1, 2), steps=STEPS,
                      checkpoint_every=EVERY, storage_path=str(storage), name="offload-snapshot-resized",
                      resources_per_worker={"trainer": 1})
-    summary, loss = fit_losing_the_node_of_rank_one(shared_ray, spec, after_step=EVERY + 1, settle=True)
+    summary, loss = fit_losing_the_node_of_rank_one(shared_ray, spec, after_step=EVERY + 1)
     assert summary["world_sizes"][0] == 2 and summary["world_sizes"][-1] == 1
     last = summary["attempts"][-1]
     assert (last["micro_batch"], last["grad_accum"]) == (4, 4)  # the same 16 samples a step

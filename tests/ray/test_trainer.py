@@ -2,9 +2,9 @@
 drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once data, a SIGKILLed
 worker, memory snapshots (a restart between checkpoints, a lost snapshot store), a driver restart, and
 finally, under an elastic run, a drained (preempted) node. The unplanned loss of a node is
-tests/ray/test_offload_actors.py's (with the actor tier, through :func:`fit_losing_the_node_of_rank_one`
-here): the drained run resumes from the same memory snapshots, resharded 2 to 1, and the same
-recovery follows whichever way the worker group ended.
+tests/ray/test_offload_actors.py's (with the actor tier): the drained run resumes from the same
+memory snapshots, resharded 2 to 1, and the same recovery follows whichever way the worker group
+ended.
 
 Every run is checked against one uninterrupted run: the tiny GPT, ZeRO-3, 2 workers, 16 steps of
 16 samples, a checkpoint every 4 steps. Equal ``param_sha256`` means bitwise-equal consolidated
@@ -360,40 +360,6 @@ def _train_workers_ever_started() -> int:
     from ray._private.state import actors
 
     return sum(actor["ActorClassName"] == "RayTrainWorker" for actor in actors().values())
-
-
-class RemoveNodeOfRankOne:
-    """on_progress callback: remove the node running rank 1 once the run is past a checkpoint."""
-
-    def __init__(self, cluster, nodes, after_step: int):
-        self.cluster, self.nodes, self.after_step = cluster, nodes, after_step
-        self.removed_at, self.removed, self.step, self.attempts = None, None, None, []
-
-    def __call__(self, snapshot: dict) -> None:
-        self.attempts, latest = snapshot["attempts"], snapshot["latest"]
-        if self.removed_at is not None or not latest or latest["step"] < self.after_step:
-            return
-        workers = self.attempts[0]["workers"]
-        if 1 in workers:
-            node = next(n for n in self.nodes if n.node_id == workers[1]["node_id"])
-            self.removed_at, self.removed, self.step = time.time(), node, latest["step"]
-            self.cluster.remove_node(node, allow_graceful=False)
-
-
-def fit_losing_the_node_of_rank_one(shared_ray, spec, after_step: int, settle: bool = False):
-    """``fit(spec)`` while the node of rank 1 is removed past ``after_step``; a new trainer node
-    takes its place afterwards (``settle``: and Ray Train sees both trainer nodes again, for an
-    elastic run that follows). Returns the summary and the :class:`RemoveNodeOfRankOne`."""
-    loss = RemoveNodeOfRankOne(shared_ray.cluster, shared_ray.trainers, after_step=after_step)
-    try:
-        summary = fit(spec, on_progress=loss)
-    finally:
-        if loss.removed is not None:
-            shared_ray.replace_trainer(loss.removed)
-            if settle:
-                _wait_for_free_trainers(2)
-    assert loss.removed_at is not None, "the run ended before the node could be removed"
-    return summary, loss
 
 
 def _wait_for_free_trainers(count: int, timeout_s: float = 60.0) -> None:
