@@ -1,6 +1,7 @@
 """``ray job submit`` against a real Ray head, as ``jobs/README.md`` tells users to run it: the job
 ships this checkout (``jobs/runtime_env.yaml``), its driver joins the cluster through
-``RAY_ADDRESS``, and a second submission with the same ``--name`` continues the run, at another size."""
+``RAY_ADDRESS``, and with the same ``--name`` it continues a run that ``raydeep train`` started on
+the head's machine, at another size."""
 from __future__ import annotations
 
 import json
@@ -111,24 +112,6 @@ def submit(head, submission_id: str, *train_args: str) -> subprocess.CompletedPr
     return run_submission(command, env)
 
 
-def test_submitted_job_trains_and_a_resubmission_continues(head, tmp_path):
-    run_args = ["--checkpoint-every", "2", "--storage-path", str(tmp_path), "--name", "job"]
-    first = submit(head, "job-1", "--steps", "4", "--num-workers", "1", *run_args)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "Job 'job-1' succeeded" in first.stdout + first.stderr
-    assert json.loads((tmp_path / "job" / "summary.json").read_text())["global_steps"] == 4
-
-    # A new submission of the same run name (a driver restart), now with 2 workers: resumes at
-    # step 4 from the 1-worker checkpoint (resharded), keeps the global batch, trains to 6.
-    second = submit(head, "job-2", "--steps", "6", "--num-workers", "2", *run_args)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
-    assert (summary["global_steps"], summary["global_samples"]) == (6, 6 * BATCH)
-    assert [(a["world_size"], a["resumed_from_step"]) for a in summary["attempts"]] == [(1, 0), (2, 4)]
-    order = SampleOrder(len(builtin_dataset(128)), seed=0)
-    assert summary["samples_sha256"] == expected_digest(order, 6, BATCH)  # every sample once, across jobs
-
-
 def train_here(head, tmp_path, *args: str) -> subprocess.CompletedProcess:
     """``raydeep train`` with no --address on the machine where ``ray start --head`` runs."""
     _, env = head
@@ -137,19 +120,35 @@ def train_here(head, tmp_path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_train_without_address_joins_the_cluster_ray_start_left(head, tmp_path):
-    """As plain ``ray.init()`` does: the cluster ``ray start`` left running is joined, not fought
-    ("When connecting to an existing cluster, num_cpus and num_gpus must not be provided")."""
+def test_a_run_started_here_continues_as_a_submitted_job(head, tmp_path):
+    """``raydeep train`` without --address joins the cluster ``ray start`` left, as plain
+    ``ray.init()`` does (not fought: "When connecting to an existing cluster, num_cpus and num_gpus
+    must not be provided"), and trains 4 steps on 1 worker. A submitted job with the same
+    ``--name`` (a driver restart, now with 2 workers) resumes at step 4 from the 1-worker
+    checkpoint (resharded), keeps the global batch and trains to 6: every sample once, across both."""
     from ray.job_submission import JobSubmissionClient, JobType
 
     client = JobSubmissionClient(head[0])
     drivers_before = sum(job.type == JobType.DRIVER for job in client.list_jobs())
-    proc = train_here(head, tmp_path, "--num-workers", "1", "--steps", "2", "--name", "joined")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "joined the Ray cluster running at" in proc.stdout and "done: step 2" in proc.stdout
+    first = train_here(head, tmp_path, "--num-workers", "1", "--steps", "4", "--name", "job")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "joined the Ray cluster running at" in first.stdout and "done: step 4" in first.stdout
     assert sum(job.type == JobType.DRIVER for job in client.list_jobs()) == drivers_before + 1  # it ran there
+    assert json.loads((tmp_path / "job" / "summary.json").read_text())["global_steps"] == 4
 
-    # A run the cluster cannot hold is refused at once, not left waiting for resources.
+    second = submit(head, "job-2", "--steps", "6", "--num-workers", "2", "--checkpoint-every", "2",
+                    "--storage-path", str(tmp_path), "--name", "job")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "Job 'job-2' succeeded" in second.stdout + second.stderr
+    summary = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert (summary["global_steps"], summary["global_samples"]) == (6, 6 * BATCH)
+    assert [(a["world_size"], a["resumed_from_step"]) for a in summary["attempts"]] == [(1, 0), (2, 4)]
+    order = SampleOrder(len(builtin_dataset(128)), seed=0)
+    assert summary["samples_sha256"] == expected_digest(order, 6, BATCH)
+
+
+def test_a_run_the_cluster_cannot_hold_is_refused_at_once(head, tmp_path):
+    """Refused with exit 2 and what to do instead, not left waiting for resources."""
     proc = train_here(head, tmp_path, "--num-workers", "4", "--steps", "2", "--name", "too-big")
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cannot hold 4 worker(s)" in proc.stderr and "--address local" in proc.stderr

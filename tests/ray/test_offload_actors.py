@@ -20,15 +20,16 @@ drivers, two 1-CPU trainer nodes (resource ``trainer``) and one CPU offload node
   tests/ray/test_trainer.py), and recovery from ``ray.kill`` of an offload actor with the
   uninterrupted run's weights. After each run (finished, or failed and restarted), no actor of
   the run is alive, no placement group exists and no object is left (State API).
-- Memory snapshots with the actor tier: a SIGKILLed rank, and the loss of its node (2 workers to
-  1), resume from the newest snapshot in the driver's store, past the last checkpoint.
+- Memory snapshots with the actor tier: the loss of a rank's node (2 workers to 1) resumes from
+  the newest snapshot in the driver's store, past the last checkpoint (the same world size, bit
+  for bit, from snapshots the actors hold: tests/ray/test_snapshot_holders.py).
+- A run with no intact checkpoint fails once, with one message, and leaves nothing behind.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -392,43 +393,6 @@ def test_a_killed_offload_actor_recovers_with_the_uninterrupted_weights(cli_run,
           f"resumed from step {summary['recoveries'][0]['resumed_from_step']}, bitwise equal weights")
 
 
-class KillRankOne:
-    """on_progress callback: SIGKILL the trainer process of rank 1 once the run is past a step."""
-
-    def __init__(self, after_step: int):
-        self.after_step, self.step = after_step, None
-
-    def __call__(self, snapshot: dict) -> None:
-        latest, attempts = snapshot["latest"], snapshot["attempts"]
-        if self.step is None and latest and latest["step"] >= self.after_step and 1 in attempts[0]["workers"]:
-            self.step = latest["step"]
-            os.kill(attempts[0]["workers"][1]["pid"], signal.SIGKILL)
-
-
-def test_a_killed_rank_resumes_from_the_memory_snapshot_its_actors_wrote(cli_run, cluster, storage, tmp_path):
-    """The actor tier with a memory snapshot every step: each snapshot's masters and Adam states go
-    from the offload actors straight into the driver's snapshot store, never through the rank.
-    Rank 1 is killed past a checkpoint; the next worker group resumes from the newest snapshot, not
-    the checkpoint, and ends with the uninterrupted run's weights and samples."""
-    from raydeep.ray import TrainSpec, fit
-    from tests.ray.test_trainer import check_resumed_from_the_newest_state
-
-    spec = TrainSpec(ds_config=_config_file(tmp_path, True, snapshot_every=1), num_workers=2, steps=STEPS,
-                     checkpoint_every=EVERY, storage_path=str(storage), name="offload-snapshot",
-                     resources_per_worker={"trainer": 1})
-    kill = KillRankOne(after_step=EVERY + 1)
-    summary = fit(spec, on_progress=kill)
-    assert kill.step is not None and summary["restarts"] == 1
-    recovery = summary["recoveries"][0]
-    print(f"\nSIGKILL of rank 1 at step {kill.step} (offload actors, checkpoint every {EVERY}): {recovery}")
-    check_resumed_from_the_newest_state(recovery, EVERY)
-    assert recovery["steps_lost"] == 0
-    assert summary["offload"]["tier"] == "actors"
-    assert summary["param_sha256"] == cli_run["param_sha256"]
-    assert summary["samples_sha256"] == cli_run["samples_sha256"]
-    assert _eventually(_nothing_left)
-
-
 class RemoveNodeOfRankOne:
     """on_progress callback: remove the node running rank 1 once the run is past ``after_step``."""
 
@@ -498,22 +462,31 @@ def test_a_lost_trainer_node_resumes_on_one_worker_from_the_memory_snapshot(cli_
     assert _eventually(_nothing_left)
 
 
-def test_a_failed_run_leaves_nothing_behind(cli_run, cluster, storage):
+def test_a_failed_run_fails_once_with_one_message_and_leaves_nothing_behind(cli_run, cluster, storage):
     """A run that fails, here at once (it resumes a run whose every checkpoint is damaged: a
-    deterministic error), leaves no actor, placement group or object, even while its caller still
-    holds the error, as a notebook or a Tune trial does."""
+    deterministic error), fails at its first attempt (no Ray Train retries) with one message that
+    names each damaged checkpoint and does not advise running it again, and leaves no actor,
+    placement group or object, even while its caller still holds the error, as a notebook or a
+    Tune trial does. (The CLI turns such an error into exit 2 and that message:
+    tests/ray/test_cli_train.py, tests/unit/test_checkpoint_fallback.py.)"""
     from raydeep.errors import CorruptCheckpointError
     from raydeep.ray import TrainSpec, fit
-    from tests.ray.test_trainer import _flip_a_byte
+    from tests.ray.test_trainer import _flip_a_byte, _train_workers_ever_started
 
     damaged = storage / "offload-damaged"
     shutil.copytree(storage / "offload", damaged)
-    for tag in (damaged / "checkpoints").glob("global_step*"):
+    tags = sorted((damaged / "checkpoints").glob("global_step*"))
+    for tag in tags:
         _flip_a_byte(sorted(tag.glob("rank*.safetensors"))[0])
     spec = TrainSpec(ds_config=_config_file(storage, True), num_workers=2, steps=STEPS + EVERY,
                      checkpoint_every=EVERY, storage_path=str(storage), name=damaged.name,
                      resources_per_worker={"trainer": 1})
+    workers_before = _train_workers_ever_started()
     with pytest.raises(CorruptCheckpointError) as failure:
         fit(spec)
-    assert "no intact checkpoint" in str(failure.value)
+    message = str(failure.value)
+    print(f"\n{message}")
+    assert "no intact checkpoint" in message and all(tag.name in message for tag in tags), message
+    assert "re-run with" not in message
+    assert _train_workers_ever_started() - workers_before == 2  # one worker group: Ray Train did not retry
     assert _eventually(_nothing_left), (_alive_run_actors(), _placement_groups(), _objects())
