@@ -1,7 +1,7 @@
 """raydeep on Ray Train, on one simulated cluster (``ray.cluster_utils.Cluster``: a head for the
 drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once data, a SIGKILLed
-worker (resumed from the memory snapshot between checkpoints, or from the checkpoint where the
-snapshot store was lost with it), a driver restart past a corrupt checkpoint, and finally, under an
+worker (resumed from the memory snapshot between checkpoints, with 1-bit Adam's error feedback,
+or from the checkpoint where the snapshot store was lost with it), a driver restart past a corrupt checkpoint, and finally, under an
 elastic run, a drained (preempted) node. A run with no intact checkpoint is
 tests/ray/test_offload_actors.py's (it leaves nothing behind). The unplanned loss of a node is
 tests/ray/test_offload_actors.py's (with the actor tier): the drained run resumes from the same
@@ -9,7 +9,8 @@ memory snapshots, resharded 2 to 1, and the same recovery follows whichever way 
 ended.
 
 Every run is checked against one uninterrupted run: the tiny GPT, ZeRO-3, 2 workers, 16 steps of
-16 samples, a checkpoint every 4 steps. Equal ``param_sha256`` means bitwise-equal consolidated
+16 samples, a checkpoint every 4 steps (the 1-bit Adam run against the same training in plain gloo
+processes, which a Ray run reproduces bit for bit). Equal ``param_sha256`` means bitwise-equal consolidated
 fp32 parameters; equal ``samples_sha256`` means the same sample ids in the same order (see
 raydeep.ray.ledger). The tests run in file order on the package's shared cluster
 (tests/ray/conftest.py); the drain test, which removes a node (and puts a new one in its place),
@@ -183,30 +184,6 @@ def check_monitors(out, head_node, run_name: str) -> None:
     assert any("Comm. Op" in m for m in messages), messages[-20:]
 
 
-def test_sigkill_in_the_compressed_stage_resumes_like_the_uninterrupted_run(storage):
-    """1-bit Adam (stage 0) past its freeze step: the error feedback of each rank comes back from
-    the checkpoint with the rest, so the restarted run ends with the uninterrupted run's weights.
-    The uninterrupted run is the same training in two plain gloo processes, which a Ray run
-    reproduces bit for bit (test_two_ray_workers_equal_two_plain_processes): a Ray run of its
-    own would start a worker group more for the same bits."""
-    import copy
-
-    from raydeep.ray.spec import DEFAULT_DS_CONFIG
-
-    config = copy.deepcopy(DEFAULT_DS_CONFIG)
-    config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 2e-3, "freeze_step": 2, "weight_decay": 0.01}}
-    config["zero_optimization"] = {"stage": 0}
-    config["raydeep"] = {"memory_snapshot_every": 0}  # resume from the checkpoint: its error feedback is on disk
-    spec = spec_for(storage, "onebit-killed", ds_config=config, steps=2 * EVERY)
-    kill = KillRankOne(after_step=EVERY + 1)
-    summary = fit(spec, on_progress=kill)
-    assert kill.killed_at is not None and summary["restarts"] == 1
-    assert summary["recoveries"][0]["resumed_from_step"] == EVERY  # in the compressed stage (from step 3)
-    assert summary["compression"]["phase"] == "compressed" and summary["compression"]["compressed_bytes"] > 0
-    straight = run_ranks(train_plain, 2, spec, 2 * EVERY)[0]
-    assert summary["param_sha256"] == param_sha256(straight["params"])
-
-
 def snapshot_config(every: int = 1) -> dict:
     """The default ds_config with memory snapshots every ``every`` steps (they change no arithmetic)."""
     import copy
@@ -231,20 +208,37 @@ def _snapshot_stores() -> list:
     return list_actors(filters=[("class_name", "=", "SnapshotStore")], detail=True, raise_on_missing_output=False)
 
 
-def test_sigkill_between_checkpoints_resumes_from_the_memory_snapshot(uninterrupted, storage):
-    """Snapshots every step, checkpoints every 4: rank 1 is killed two steps past a checkpoint,
-    and the next worker group resumes from the newest snapshot in the driver's store instead of
-    the checkpoint, losing no step it had reported; the run ends bitwise equal to the
-    uninterrupted one and consumes every sample once. The store goes with the run."""
-    kill = KillRankOne(after_step=EVERY + 2)
-    summary = fit(spec_for(storage, "snapshot-killed", ds_config=snapshot_config()), on_progress=kill)
+def onebit_config(snapshot_every: int) -> dict:
+    """1-bit Adam at stage 0, compressing from step 3 on, with memory snapshots every ``snapshot_every`` steps."""
+    config = snapshot_config(snapshot_every)
+    config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 2e-3, "freeze_step": 2, "weight_decay": 0.01}}
+    config["zero_optimization"] = {"stage": 0}
+    return config
+
+
+def test_sigkill_between_checkpoints_resumes_from_the_memory_snapshot(storage):
+    """Snapshots every step, checkpoints every 4, 1-bit Adam past its freeze step: rank 1 is
+    killed past a checkpoint, and the next worker group resumes from the newest snapshot
+    in the driver's store instead of the checkpoint, losing no step it had reported. Each rank's
+    error feedback comes back from the driver's memory with the rest, so the run ends bitwise
+    equal to the uninterrupted one and consumes every sample once. The store goes with the run.
+    The uninterrupted run is the same training in two plain gloo processes, which a Ray run
+    reproduces bit for bit (test_two_ray_workers_equal_two_plain_processes): a Ray run of its own
+    would start a worker group more for the same bits. (ZeRO-3's snapshots: the drain test.)"""
+    steps = 2 * EVERY
+    spec = spec_for(storage, "snapshot-killed", ds_config=onebit_config(1), steps=steps)
+    kill = KillRankOne(after_step=EVERY + 1)
+    summary = fit(spec, on_progress=kill)
     assert kill.killed_at is not None and summary["restarts"] == 1
     recovery = summary["recoveries"][0]
-    print(f"\nSIGKILL of rank 1 at step {kill.step} (checkpoint every {EVERY}): {recovery}")
+    print(f"\nSIGKILL of rank 1 at step {kill.step} (1-bit Adam, checkpoint every {EVERY}): {recovery}")
     check_resumed_from_the_newest_state(recovery, EVERY)
+    assert recovery["resumed_from_step"] > EVERY  # in the compressed stage (from step 3), past the checkpoint
     assert recovery["steps_lost"] == 0  # a step is reported done once its snapshot is whole
-    assert summary["param_sha256"] == uninterrupted["param_sha256"]
-    assert summary["samples_sha256"] == uninterrupted["samples_sha256"] == expected_samples_sha256()
+    assert summary["compression"]["phase"] == "compressed" and summary["compression"]["compressed_bytes"] > 0
+    straight = run_ranks(train_plain, 2, spec, steps)[0]
+    assert summary["param_sha256"] == param_sha256(straight["params"])
+    assert summary["samples_sha256"] == expected_samples_sha256(steps)
     assert [a["state"] for a in _snapshot_stores()].count("ALIVE") == 0
 
 
