@@ -1,20 +1,19 @@
 """raydeep on Ray Train, on one simulated cluster (``ray.cluster_utils.Cluster``: a head for the
-drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once data, a SIGKILLed
-worker (resumed from the memory snapshot between checkpoints, with 1-bit Adam's error feedback,
-or from the checkpoint where the snapshot store was lost with it), a driver restart past a corrupt checkpoint, and finally, under an
-elastic run, a drained (preempted) node. A run with no intact checkpoint is
-tests/ray/test_offload_actors.py's (it leaves nothing behind). The unplanned loss of a node is
-tests/ray/test_offload_actors.py's (with the actor tier): the drained run resumes from the same
-memory snapshots, resharded 2 to 1, and the same recovery follows whichever way the worker group
-ended.
+drivers, two 1-CPU trainer nodes and a 4-CPU node): parity with plain processes, exactly-once
+data, a SIGKILLed worker (resumed from the memory snapshot between checkpoints, with 1-bit Adam's
+error feedback, or from the checkpoint where the snapshot store was lost with it), a driver
+restart past a corrupt checkpoint, and finally, under an elastic run, a drained (preempted) node.
+tests/ray/test_offload_actors.py has the rest, with the actor tier: the unplanned loss of a node
+(resumed from the same memory snapshots as the drained run, resharded 2 to 1) and a run with no
+intact checkpoint (it fails once and leaves nothing behind).
 
 Every run is checked against one uninterrupted run: the tiny GPT, ZeRO-3, 2 workers, 16 steps of
-16 samples, a checkpoint every 4 steps (the 1-bit Adam run against the same training in plain gloo
-processes, which a Ray run reproduces bit for bit). Equal ``param_sha256`` means bitwise-equal consolidated
-fp32 parameters; equal ``samples_sha256`` means the same sample ids in the same order (see
-raydeep.ray.ledger). The tests run in file order on the package's shared cluster
-(tests/ray/conftest.py); the drain test, which removes a node (and puts a new one in its place),
-comes last.
+16 samples, a checkpoint every 4 steps (the 1-bit Adam run against the same training in plain
+gloo processes, which a Ray run reproduces bit for bit). Equal ``param_sha256`` means
+bitwise-equal consolidated fp32 parameters; equal ``samples_sha256`` means the same sample ids in
+the same order (see raydeep.ray.ledger). The tests run in file order on the package's shared
+cluster (tests/ray/conftest.py); the drain test, which removes a node (and puts a new one in its
+place), comes last.
 """
 from __future__ import annotations
 
